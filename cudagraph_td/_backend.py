@@ -1,0 +1,144 @@
+"""Graph backends: CUDA graphs, and a CPU emulation of their contract for tests.
+
+A backend does two things: run a warm-up call, and capture a function into a graph whose
+``replay()`` runs it again on the same memory. :class:`CudaBackend` uses
+:class:`torch.cuda.CUDAGraph`. :class:`EmulatedBackend` keeps the contract that matters to
+correctness — static input buffers, and a replay that rewrites the same output tensors —
+so that a bug in the wrapper (an output that changes when the wrapper is called again, an
+input that is not copied in) fails on a machine without a GPU too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from . import _tree
+
+T = TypeVar("T")
+
+CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+
+
+class Graph(Protocol):
+    def replay(self) -> None: ...
+
+
+class Backend(Protocol):
+    device: torch.device
+    executes_on_capture: bool
+    """Whether ``capture`` also runs the function (the emulation) or only records it (CUDA)."""
+
+    def warmup(self, fn: Callable[[], T]) -> T: ...
+
+    def capture(self, fn: Callable[[], T]) -> tuple[Graph, T]: ...
+
+
+class CudaBackend:
+    """Warm-up on a side stream, capture on a capture stream, one memory pool per graph."""
+
+    executes_on_capture = False
+
+    def __init__(self, device: torch.device, pool: Any = None, capture_error_mode: str = "global"):
+        self.device = device
+        self.pool = pool
+        self.capture_error_mode = capture_error_mode
+        # Side streams, as torch.cuda.make_graphed_callables uses: the warm-up runs off the
+        # caller's stream so that lazy initialisations (cuBLAS workspaces, autograd and
+        # optimizer state) happen before the capture and not inside it.
+        self._side_stream = torch.cuda.Stream(device)
+        self._capture_stream = torch.cuda.Stream(device)
+
+    def warmup(self, fn: Callable[[], T]) -> T:
+        current = torch.cuda.current_stream(self.device)
+        self._side_stream.wait_stream(current)
+        with torch.cuda.stream(self._side_stream):
+            out = fn()
+        current.wait_stream(self._side_stream)
+        return out
+
+    def capture(self, fn: Callable[[], T]) -> tuple[Graph, T]:
+        # No work queued before the capture may still be running when it begins: in the
+        # "global" error mode another stream's work would make the capture fail.
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        # A garbage collection during the capture can free tensors of other streams, whose
+        # deallocation is illegal while a stream captures (pytorch#161037): hold it off.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.stream(self._capture_stream):
+                graph.capture_begin(pool=self.pool, capture_error_mode=self.capture_error_mode)
+                try:
+                    out = fn()
+                except BaseException:
+                    _end_failed_capture(graph)
+                    raise
+                graph.capture_end()
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        return graph, out
+
+
+def _end_failed_capture(graph: torch.cuda.CUDAGraph) -> None:
+    """Take the capture stream out of capture mode after the function raised inside it."""
+    # The error that broke the capture also invalidated it; ending it reports that again,
+    # and the caller raises the first error, which says what went wrong.
+    with contextlib.suppress(RuntimeError):
+        graph.capture_end()
+    if torch.cuda.is_current_stream_capturing():  # pragma: no cover - CUDA driver failure
+        raise RuntimeError(
+            "cudagraph_td could not end a failed capture; the CUDA context is unusable"
+        )
+
+
+class EmulatedBackend:
+    """A CPU stand-in for CUDA graphs with the same memory contract.
+
+    ``capture`` runs the function once on the static inputs and keeps its output tensors as
+    the graph's static outputs; ``replay`` runs it again on the same static inputs and
+    copies the new results into those same tensors, as a CUDA graph overwrites its output
+    memory. Like a CUDA graph, a replay sees the current contents of the static inputs and
+    of every tensor the function reads, and repeats the function's in-place updates.
+    """
+
+    executes_on_capture = True
+
+    def __init__(self, device: torch.device | None = None):
+        self.device = torch.device("cpu") if device is None else device
+
+    def warmup(self, fn: Callable[[], T]) -> T:
+        return fn()
+
+    def capture(self, fn: Callable[[], T]) -> tuple[Graph, T]:
+        out = fn()
+        return _EmulatedGraph(fn, out), out
+
+
+class _EmulatedGraph:
+    def __init__(self, fn: Callable[[], Any], out: Any):
+        self._fn = fn
+        self._grad_enabled = torch.is_grad_enabled()
+        leaves, self._spec = _tree.flatten(out)
+        self._static = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        self._meta = [(t.shape, t.dtype) for t in self._static]
+
+    def replay(self) -> None:
+        with torch.set_grad_enabled(self._grad_enabled):
+            out = self._fn()
+        leaves, spec = _tree.flatten(out)
+        new = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        if spec != self._spec or [(t.shape, t.dtype) for t in new] != self._meta:
+            raise RuntimeError(
+                "The emulated replay returned another output structure than the capture: the "
+                "function's Python control flow depends on its inputs' values or on state "
+                "that changed. A CUDA graph would silently replay the captured branch: use "
+                "tensor operations (`torch.where`) instead of Python branches on data."
+            )
+        with torch.no_grad():
+            torch._foreach_copy_(self._static, new)

@@ -1,0 +1,226 @@
+"""``CudaGraphModule``: warm up, capture and replay a function, a module or a TensorDictModule."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch
+
+from . import _errors, _graph, _signature, _tree
+from ._backend import CAPTURE_ERROR_MODES, Backend, CudaBackend, EmulatedBackend
+
+BackendName = Literal["auto", "cuda", "emulate"]
+_BACKENDS = ("auto", "cuda", "emulate")
+
+
+class CudaGraphModule:
+    """Capture a function as a CUDA graph, then replay it at each call.
+
+    A drop-in replacement for :class:`tensordict.nn.CudaGraphModule`. Calls ``1`` to
+    ``warmup - 1`` run the function eagerly on a side stream; call ``warmup`` captures the
+    graph and returns a real result; every later call copies its tensor inputs into the
+    graph's static buffers, replays the graph on the caller's current stream, and returns
+    the outputs in fresh memory, so that a result never changes when the wrapper is called
+    again.
+
+    Inputs and outputs may be any pytree of tensors, TensorDicts, tensorclasses and
+    non-tensor constants, passed positionally or by keyword. Every replay checks its inputs
+    against the captured ones (structure, shapes, dtypes, devices, constants) and raises an
+    error that names the offending leaf, before anything is copied. In-place updates of
+    input tensors by the function reach the caller, as in eager mode.
+
+    Without CUDA (and with ``backend="auto"``), the constructor warns once and every call
+    runs the function directly. See :doc:`sharp-edges` for what a graph cannot capture.
+
+    Args:
+        module: The function, :class:`torch.nn.Module` or TensorDictModule to capture.
+        warmup: The call that captures the graph; the calls before it are eager warm-ups.
+            A ``torch.compile``d function needs enough warm-up calls to finish compiling.
+        in_keys: The input keys, for a module that takes a TensorDict. Taken from
+            ``module.in_keys`` when the module has them.
+        out_keys: The output keys, for a module that returns a TensorDict. Taken from
+            ``module.out_keys`` when the module has them.
+        device: The CUDA device of the graph. Defaults to the device of the first CUDA
+            tensor input, else the current CUDA device.
+        pool: A memory pool (``torch.cuda.graph_pool_handle()``, or another graph's
+            ``pool()``) to share with other graphs. Defaults to a private pool.
+        capture_error_mode: Passed to :meth:`torch.cuda.CUDAGraph.capture_begin`: one of
+            ``"global"``, ``"thread_local"``, ``"relaxed"``.
+        backend: ``"cuda"`` for CUDA graphs; ``"emulate"`` for the CPU emulation of their
+            contract (static buffers, outputs overwritten at each replay), which lets the
+            code that uses the wrapper be tested on a machine without a GPU (experimental);
+            ``"auto"`` for ``"cuda"`` when CUDA is available, else eager calls.
+
+    Raises:
+        ValueError: ``warmup``, ``capture_error_mode`` or ``backend`` has no valid value.
+        RuntimeError: ``backend="cuda"`` on a machine without CUDA.
+
+    Example:
+        >>> import torch
+        >>> from cudagraph_td import CudaGraphModule
+        >>> def step(x, *, scale):
+        ...     return {"y": x * scale, "norm": x.norm()}
+        >>> graphed = CudaGraphModule(step, warmup=2, backend="emulate")
+        >>> for _ in range(4):
+        ...     x = torch.randn(8)
+        ...     out = graphed(x, scale=2.0)
+        >>> torch.testing.assert_close(out["y"], x * 2.0)
+        >>> graphed(x, scale=3.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: CudaGraphModule was captured with the non-tensor argument kwargs["scale"] = 2.0, but received 3.0. ...
+
+        On a GPU, the same code with ``backend="auto"`` and CUDA tensors replays a CUDA graph:
+
+        >>> graphed = CudaGraphModule(step)  # doctest: +SKIP
+        >>> out = graphed(torch.randn(8, device="cuda"), scale=2.0)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        module: Callable[..., Any],
+        warmup: int = 2,
+        in_keys: Any = None,
+        out_keys: Any = None,
+        device: torch.device | str | int | None = None,
+        *,
+        pool: Any = None,
+        capture_error_mode: str = "global",
+        backend: BackendName = "auto",
+    ):
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+            raise ValueError(f"`warmup` must be an integer greater than 0, got {warmup!r}.")
+        if capture_error_mode not in CAPTURE_ERROR_MODES:
+            raise ValueError(
+                f"`capture_error_mode` must be one of {', '.join(map(repr, CAPTURE_ERROR_MODES))}, "
+                f"got {capture_error_mode!r}."
+            )
+        if backend not in _BACKENDS:
+            raise ValueError(
+                f"`backend` must be one of {', '.join(map(repr, _BACKENDS))}, got {backend!r}."
+            )
+        if backend == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(
+                "CudaGraphModule(backend='cuda') needs CUDA, which is not available here. Use "
+                "backend='auto' to fall back to eager calls, or 'emulate' to test on the CPU."
+            )
+        self.module = module
+        self.counter = 0
+        self._warmup = warmup
+        self.in_keys = getattr(module, "in_keys", in_keys)
+        self.out_keys = getattr(module, "out_keys", out_keys)
+        if self.out_keys is None and self.in_keys is not None:
+            self.out_keys = []
+        self.device = None if device is None else torch.device(device)
+        self._pool = pool
+        self._capture_error_mode = capture_error_mode
+        self._backend_name: str = backend
+        if backend == "auto":
+            self._backend_name = "cuda" if torch.cuda.is_available() else "eager"
+        self._backend: Backend | None = None
+        self._captured: _graph.CapturedCall | None = None
+        self._replay: Callable[[tuple[Any, ...], dict[str, Any]], Any] = self._prepare
+        if self._backend_name == "eager":
+            warnings.warn(
+                "CudaGraphModule is created on a machine without CUDA: calls run the function "
+                "eagerly, with no graph and no input checks.",
+                UserWarning,
+                stacklevel=2,
+            )
+            self._replay = self._eager
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._replay(args, kwargs)
+
+    def _eager(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self.module(*args, **kwargs)
+
+    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Every call before the first replay: warm-up calls, then the capture."""
+        backend = self._backend or self._make_backend(args, kwargs)
+        name = type(self).__name__
+        if self.counter < self._warmup - 1:
+            _signature.validate(name, args, kwargs, backend.device)
+            stage = f"run warm-up call {self.counter + 1} of {self._warmup - 1}"
+            try:
+                result = backend.warmup(lambda: self.module(*args, **kwargs))
+            except Exception as err:
+                raise _errors.capture_failure(name, stage, err) from err
+            self.counter += 1
+            return result
+        captured, result = _graph.capture(name, self.module, args, kwargs, backend)
+        self._captured = captured
+        self._replay = captured
+        self.counter += 1
+        return result
+
+    def _make_backend(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Backend:
+        if self._backend_name == "emulate":
+            backend: Backend = EmulatedBackend(self.device)
+        else:
+            device = self.device or _first_cuda_device((args, kwargs))
+            if device is None or device.index is None:  # "cuda" alone means the current device
+                device = torch.device("cuda", torch.cuda.current_device())
+            backend = CudaBackend(device, self._pool, self._capture_error_mode)
+        self._backend = backend
+        return backend
+
+    def reset(self) -> None:
+        """Drop the captured graph and its buffers; the next call starts the warm-up again."""
+        self._captured = None
+        self.counter = 0
+        if self._backend_name != "eager":
+            self._replay = self._prepare
+
+    @property
+    def is_captured(self) -> bool:
+        """Whether the graph is captured, so that calls replay it."""
+        return self._captured is not None
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped module's ``state_dict``, or ``{}`` for a function without one."""
+        state_dict = getattr(self.module, "state_dict", None)
+        return {} if state_dict is None else state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+        """Load ``state_dict`` into the wrapped module, in place, so a captured graph sees it.
+
+        Raises:
+            TypeError: The wrapped function has no ``load_state_dict`` and the state is not empty.
+        """
+        load = getattr(self.module, "load_state_dict", None)
+        if load is None:
+            if state_dict:
+                raise TypeError(
+                    f"{type(self).__name__} wraps {self.module!r}, which has no "
+                    "`load_state_dict`: the state cannot be loaded."
+                )
+            return None
+        return load(state_dict, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        if self._backend_name == "eager":
+            state = "eager (no CUDA)"
+        elif self._captured is not None:
+            state = "captured: calls replay the graph"
+        else:
+            state = f"warming up: {self.counter} of {self._warmup - 1} warm-up calls done"
+        fields = {
+            "module": repr(self.module).replace("\n", "\n    "),
+            "warmup": self._warmup,
+            "in_keys": self.in_keys,
+            "out_keys": self.out_keys,
+            "backend": repr(self._backend_name),
+            "state": state,
+        }
+        body = ",\n".join(f"    {key}={value}" for key, value in fields.items())
+        return f"{type(self).__name__}(\n{body}\n)"
+
+
+def _first_cuda_device(tree: Any) -> torch.device | None:
+    for _, leaf in _tree.walk_leaves(tree):
+        if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda":
+            return leaf.device
+    return None

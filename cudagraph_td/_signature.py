@@ -1,0 +1,170 @@
+"""The signature of a captured call: what its inputs must look like at every replay.
+
+:class:`Signature` is built once, at capture. It validates the capture's inputs, clones
+their tensors into the graph's static buffers, and keeps what the replay compares: the
+treespec, the indices of the tensor leaves and each one's ``(shape, dtype, device,
+requires_grad)``, and the non-tensor constants. The replay compares these in a few list
+operations; only when they differ does :meth:`Signature.diagnose` walk the trees to find
+the offending leaf and build the error that names it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import optree
+import torch
+from tensordict import TensorDictBase
+
+from . import _errors, _tree
+
+# (shape, dtype, device, requires_grad): what the replay checks of a tensor leaf.
+TensorMeta = tuple[torch.Size, torch.dtype, torch.device, bool]
+
+
+def tensor_meta(t: torch.Tensor) -> TensorMeta:
+    return (t.shape, t.dtype, t.device, t.requires_grad)
+
+
+def _comparable(value: Any) -> bool:
+    try:
+        return isinstance(value == value, bool)
+    except Exception:
+        return False
+
+
+def validate(
+    name: str, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
+) -> None:
+    """Check that a call can be warmed up or captured on ``device``, before running it."""
+    for path, leaf in _tree.walk_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            if leaf.device != device:
+                where = _tree.format_path(path)
+                raise _errors.wrong_device_at_capture(name, where, device, leaf.device)
+            if leaf.requires_grad:
+                raise _errors.requires_grad(name, _tree.format_path(path))
+        elif not _comparable(leaf):
+            raise _errors.uncomparable_constant(name, _tree.format_path(path), leaf)
+
+
+class Signature:
+    """The inputs of a captured call, and the static buffers that the graph reads."""
+
+    def __init__(
+        self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
+    ):
+        validate(name, args, kwargs, device)
+        self.name = name
+        leaves, self.spec = _tree.flatten((args, kwargs))
+        self.tensor_index = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        self.const_index = [
+            i for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)
+        ]
+        self.expected = [tensor_meta(leaves[i]) for i in self.tensor_index]
+        self.consts = [leaves[i] for i in self.const_index]
+        self.const_types = [type(c) for c in self.consts]
+        # The graph's own copies of the tensor inputs: replays copy new inputs into them.
+        with torch.no_grad():
+            self.static_inputs = [leaves[i].clone() for i in self.tensor_index]
+        static_leaves = list(leaves)
+        for i, static in zip(self.tensor_index, self.static_inputs, strict=True):
+            static_leaves[i] = static
+        self.static_args, self.static_kwargs = _tree.unflatten(self.spec, static_leaves)
+
+    def consts_match(self, leaves: list[Any]) -> bool:
+        """Whether the non-tensor leaves of a call are those of the capture (by type and value)."""
+        received = [leaves[i] for i in self.const_index]
+        try:
+            return [type(c) for c in received] == self.const_types and received == self.consts
+        except Exception:
+            return False
+
+    def diagnose(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Exception:
+        """The error that explains how a call's inputs differ from the captured ones."""
+        captured = (self.static_args, self.static_kwargs)
+        missing: list[str] = []
+        extra: list[str] = []
+        other: list[str] = []
+        missing_td_keys: list[str] = []
+        error = self._compare((), captured, (args, kwargs), missing, extra, other, missing_td_keys)
+        if error is not None:
+            return error
+        if missing_td_keys and not extra and not other and missing == missing_td_keys:
+            return _errors.missing_keys(self.name, missing_td_keys)
+        if missing or extra or other:
+            return _errors.structure_mismatch(self.name, missing, extra, other)
+        # Nothing differs leaf by leaf: the structure must differ in a way the walk does not
+        # name (e.g. a node's metadata that is neither a key nor a batch size).
+        received = optree.tree_structure(cast(Any, (args, kwargs)), namespace=_tree.NAMESPACE)
+        return _errors.structure_mismatch(
+            self.name, [], [], [f"captured: {self.spec}", f"received: {received}"]
+        )
+
+    def _compare(
+        self,
+        path: _tree.Path,
+        old: Any,
+        new: Any,
+        missing: list[str],
+        extra: list[str],
+        other: list[str],
+        missing_td_keys: list[str],
+    ) -> Exception | None:
+        where = _tree.format_path(path)
+        old_leaf, new_leaf = _tree.is_leaf(old), _tree.is_leaf(new)
+        if old_leaf and new_leaf:
+            return self._compare_leaves(where, old, new)
+        if old_leaf != new_leaf or type(old) is not type(new):
+            return _errors.leaf_kind_mismatch(self.name, where, old, new)
+        if isinstance(old, TensorDictBase) and old.batch_size != new.batch_size:
+            return _errors.batch_size_mismatch(self.name, where, old.batch_size, new.batch_size)
+        old_node, new_node = _tree.one_level(old), _tree.one_level(new)
+        old_children = dict(zip(old_node.entries, old_node.children, strict=True))
+        new_children = dict(zip(new_node.entries, new_node.children, strict=True))
+
+        def child_path(entry: Any) -> _tree.Path:
+            return (*path, (old_node.entry_type, entry))
+
+        for entry in old_children.keys() - new_children.keys():
+            missing.append(_tree.format_path(child_path(entry)))
+            if isinstance(old, TensorDictBase):
+                missing_td_keys.append(missing[-1])
+        for entry in new_children.keys() - old_children.keys():
+            extra.append(_tree.format_path(child_path(entry)))
+        for entry in old_node.entries:
+            if entry in new_children:
+                error = self._compare(
+                    child_path(entry),
+                    old_children[entry],
+                    new_children[entry],
+                    missing,
+                    extra,
+                    other,
+                    missing_td_keys,
+                )
+                if error is not None:
+                    return error
+        if not missing and not extra and old_node.metadata != new_node.metadata:
+            other.append(f"{where}: {old_node.metadata!r} at capture, {new_node.metadata!r} now")
+        return None
+
+    def _compare_leaves(self, where: str, old: Any, new: Any) -> Exception | None:
+        old_tensor, new_tensor = isinstance(old, torch.Tensor), isinstance(new, torch.Tensor)
+        if old_tensor != new_tensor:
+            return _errors.leaf_kind_mismatch(self.name, where, old, new)
+        if not old_tensor:
+            try:
+                same = type(old) is type(new) and bool(old == new)
+            except Exception:
+                same = False
+            return None if same else _errors.constant_mismatch(self.name, where, old, new)
+        if new.device != old.device:
+            return _errors.device_mismatch(self.name, where, old.device, new.device)
+        if new.dtype != old.dtype:
+            return _errors.dtype_mismatch(self.name, where, old.dtype, new.dtype)
+        if new.shape != old.shape:
+            return _errors.shape_mismatch(self.name, where, old.shape, new.shape)
+        if new.requires_grad:
+            return _errors.requires_grad(self.name, where)
+        return None
