@@ -140,5 +140,6 @@ class _EmulatedGraph:
                 "that changed. A CUDA graph would silently replay the captured branch: use "
                 "tensor operations (`torch.where`) instead of Python branches on data."
             )
-        with torch.no_grad():
-            torch._foreach_copy_(self._static, new)
+        if new:
+            with torch.no_grad():
+                torch._foreach_copy_(self._static, new)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The whole GPU check in one call: the test suite (CUDA tests included) and the examples.
+# On the device machine (no network, torch preinstalled), from the repository root:
+#   bash scripts/gpu_check.sh
+# It installs the wheels that ../shared/gpu/fetch-wheels.sh put in .whl/ (if any), and writes
+# its logs to $OUT (or ./gpu-logs when OUT is unset).
+set -uo pipefail
+out=${OUT:-gpu-logs}
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1
+status=0
+{
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c 'import torch, tensordict, optree; print("torch", torch.__version__, "tensordict", tensordict.__version__, "optree", optree.__version__)'
+} 2>&1 | tee "$out/env.log"
+python3 -m pytest -q -p no:cacheprovider tests cudagraph_td "$@" 2>&1 | tee "$out/gpu-tests.log" || status=1
+for example in examples/*.py; do
+  echo "== $example" | tee -a "$out/examples.log"
+  python3 "$example" 2>&1 | tee -a "$out/examples.log" || status=1
+done
+exit $status

@@ -1,0 +1,76 @@
+"""Shared fixtures: every test body runs on the CPU emulation and, when a GPU is present, on CUDA."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from cudagraph_td import CudaGraphModule
+
+HAS_CUDA = torch.cuda.is_available()
+NO_CUDA_REASON = "needs a CUDA device (CI has none; run scripts/gpu_check.sh on a GPU machine)"
+
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA_REASON)
+
+
+class Backend:
+    """A graph backend as the tests see it: its name, its device, and a wrapper factory."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if name == "cuda"
+            else torch.device("cpu")
+        )
+
+    def wrap(self, fn: Callable[..., Any], **kwargs: Any) -> CudaGraphModule:
+        return CudaGraphModule(fn, backend=self.name, **kwargs)  # type: ignore[arg-type]
+
+    def randn(self, *shape: int, **kwargs: Any) -> torch.Tensor:
+        return torch.randn(*shape, device=self.device, **kwargs)
+
+    def sync(self) -> None:
+        if self.name == "cuda":
+            torch.cuda.synchronize()
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("emulate", id="emulate"),
+        pytest.param("cuda", id="cuda", marks=requires_cuda),
+    ]
+)
+def backend(request: pytest.FixtureRequest) -> Backend:
+    return Backend(request.param)
+
+
+@pytest.fixture
+def cuda() -> Backend:
+    if not HAS_CUDA:
+        pytest.skip(NO_CUDA_REASON)
+    return Backend("cuda")
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def counting(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``fn`` so that ``wrapper.calls`` counts its Python executions."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        wrapper.calls += 1  # type: ignore[attr-defined]
+        return fn(*args, **kwargs)
+
+    wrapper.calls = 0  # type: ignore[attr-defined]
+    return wrapper

@@ -1,0 +1,175 @@
+"""Warm-up and capture: failures are explained, the context is left clean, the wrapper recovers."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from .conftest import Backend
+
+
+class Flaky:
+    """A function that raises while ``broken`` is set, with ``fail`` as the failing statement."""
+
+    def __init__(self, fail: Callable[[torch.Tensor], Any]):
+        self.fail = fail
+        self.broken = True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        if self.broken:
+            self.fail(y)
+        return y + 1
+
+
+def _raise_value_error(y: torch.Tensor) -> None:
+    raise ValueError("bad value in the user's code")
+
+
+def _assert_not_capturing(backend: Backend) -> None:
+    if backend.name == "cuda":
+        assert not torch.cuda.is_current_stream_capturing()
+        torch.cuda.synchronize()  # no sticky error left behind
+
+
+@pytest.mark.parametrize("warmup", [1, 2], ids=["at-capture", "at-warm-up"])
+def test_user_exception_is_explained_and_chained(backend: Backend, warmup: int) -> None:
+    fn = Flaky(_raise_value_error)
+    graphed = backend.wrap(fn, warmup=warmup)
+    x = backend.randn(3)
+    stage = "capture the graph" if warmup == 1 else "run warm-up call 1 of 1"
+    with pytest.raises(RuntimeError, match=re.escape(f"CudaGraphModule could not {stage}")) as info:
+        graphed(x)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "the function itself raised ValueError" in str(info.value)
+    assert "bad value in the user's code" in str(info.value)
+    _assert_not_capturing(backend)
+    assert not graphed.is_captured
+    fn.broken = False  # the cause removed, the next calls warm up, capture and replay
+    for _ in range(warmup + 2):
+        x = backend.randn(3)
+        torch.testing.assert_close(graphed(x), x * 2 + 1)
+    assert graphed.is_captured
+
+
+def test_reset_after_a_failed_capture(backend: Backend) -> None:
+    fn = Flaky(_raise_value_error)
+    graphed = backend.wrap(fn, warmup=1)
+    with pytest.raises(RuntimeError):
+        graphed(backend.randn(3))
+    fn.broken = False
+    graphed.reset()
+    x = backend.randn(3)
+    torch.testing.assert_close(graphed(x), x * 2 + 1)
+    torch.testing.assert_close(graphed(x), x * 2 + 1)
+
+
+def test_emulation_reports_data_dependent_branches() -> None:
+    from cudagraph_td import CudaGraphModule
+
+    graphed = CudaGraphModule(
+        lambda x: x * 2 if x.sum() > 0 else (x, x), warmup=1, backend="emulate"
+    )
+    graphed(torch.ones(2))
+    with pytest.raises(RuntimeError, match="control flow depends on its inputs' values"):
+        graphed(-torch.ones(2))
+
+
+# What a CUDA capture cannot record: each case raises inside the capture.
+HOST_SYNCS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "item": lambda y: y.sum().item(),
+    "print": lambda y: print(y),
+    "tolist": lambda y: y.tolist(),
+    "synchronize": lambda y: torch.cuda.synchronize(),
+    "nonzero": lambda y: y.nonzero(),
+    "python-data-to-cuda": lambda y: torch.tensor([1.0, 2.0], device=y.device),
+}
+
+
+@pytest.mark.parametrize("case", list(HOST_SYNCS))
+def test_capture_failure_on_cuda_is_explained_and_leaves_a_clean_context(
+    cuda: Backend, case: str
+) -> None:
+    fn = Flaky(HOST_SYNCS[case])
+    graphed = cuda.wrap(fn, warmup=2)
+    graphed(cuda.randn(3))  # the eager warm-up runs the host sync without trouble
+    with pytest.raises(
+        RuntimeError, match=re.escape("CudaGraphModule could not capture the graph")
+    ) as info:
+        graphed(cuda.randn(3))
+    message = str(info.value)
+    assert info.value.__cause__ is not None
+    assert "The CUDA context was left out of capture mode" in message
+    if case != "synchronize":
+        assert "synchronises the host" in message or "broke the capture" in message, message
+    _assert_not_capturing(cuda)
+    # Other CUDA work still runs, and the wrapper captures once the cause is removed.
+    torch.testing.assert_close(torch.ones(2, device="cuda").sum().cpu(), torch.tensor(2.0))
+    fn.broken = False
+    for _ in range(3):
+        x = cuda.randn(3)
+        torch.testing.assert_close(graphed(x), x * 2 + 1)
+    assert graphed.is_captured
+
+
+def test_cpu_output_is_refused_on_cuda(cuda: Backend) -> None:
+    graphed = cuda.wrap(lambda x: (x * 2, torch.zeros(2)), warmup=1)
+    with pytest.raises(RuntimeError, match=re.escape("(output[1] is on cpu)")):
+        graphed(cuda.randn(3))
+    _assert_not_capturing(cuda)
+
+
+def test_replay_does_not_synchronize_the_host(cuda: Backend) -> None:
+    graphed = cuda.wrap(lambda x, td: {"y": x.exp(), "z": td["a"] * 2}, warmup=2)
+    from tensordict import TensorDict
+
+    def inputs() -> tuple[torch.Tensor, TensorDict]:
+        return cuda.randn(64), TensorDict(a=cuda.randn(8, 2), batch_size=[8])
+
+    for _ in range(3):
+        graphed(*inputs())
+    x, td = inputs()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(5):
+            out = graphed(x, td)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(out["y"], x.exp())
+
+
+def test_outputs_are_ordered_on_the_callers_stream(cuda: Backend) -> None:
+    graphed = cuda.wrap(lambda x: x @ x, warmup=2)
+    stream = torch.cuda.Stream()
+    x = cuda.randn(256, 256)
+    for _ in range(3):
+        graphed(x)
+    with torch.cuda.stream(stream):
+        y = cuda.randn(256, 256)  # produced on the side stream, consumed there too
+        out = graphed(y)
+        expected = y @ y
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, expected)
+
+
+def test_shared_pool_and_capture_error_mode(cuda: Backend) -> None:
+    pool = torch.cuda.graph_pool_handle()
+    first = cuda.wrap(lambda x: x + 1, warmup=1, pool=pool)
+    second = cuda.wrap(lambda x: x * 3, warmup=1, pool=pool, capture_error_mode="thread_local")
+    x = cuda.randn(4)
+    a1, b1 = first(x), second(x)
+    a2, b2 = first(x), second(x)
+    for a, b in ((a1, b1), (a2, b2)):
+        torch.testing.assert_close(a, x + 1)
+        torch.testing.assert_close(b, x * 3)
+
+
+def test_graph_device_follows_the_inputs(cuda: Backend) -> None:
+    graphed = cuda.wrap(lambda x: x + 1, warmup=1)
+    graphed(cuda.randn(2))
+    assert graphed._backend is not None and graphed._backend.device == cuda.device

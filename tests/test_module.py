@@ -1,0 +1,265 @@
+"""CudaGraphModule on plain callables: values against eager, call counting, memory, state."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict, tensorclass
+from torch import nn
+
+from cudagraph_td import CudaGraphModule
+
+from .conftest import Backend, counting
+
+
+@tensorclass
+class Transition:
+    obs: torch.Tensor
+    reward: torch.Tensor
+
+
+def _td(backend: Backend) -> TensorDict:
+    return TensorDict(
+        obs=backend.randn(4, 3),
+        next=TensorDict(obs=backend.randn(4, 3), done=backend.randn(4, 1) > 0, batch_size=[4]),
+        batch_size=[4],
+    )
+
+
+# Each case: a function, and a maker of fresh random inputs (args, kwargs) on a backend.
+CASES: dict[
+    str, tuple[Callable[..., Any], Callable[[Backend], tuple[tuple[Any, ...], dict[str, Any]]]]
+] = {
+    "tensor": (lambda x: x.sin() * 2, lambda b: ((b.randn(5),), {})),
+    "tuple-out": (lambda x, y: (x + y, x * y), lambda b: ((b.randn(3, 2), b.randn(3, 2)), {})),
+    "dict-in-out": (
+        lambda d: {"s": d["a"] + d["b"], "p": d["a"] * d["b"]},
+        lambda b: (({"a": b.randn(4), "b": b.randn(4)},), {}),
+    ),
+    "keyword-tensors": (lambda x, *, w: x @ w, lambda b: ((b.randn(2, 3),), {"w": b.randn(3, 4)})),
+    "nested-trees": (
+        lambda pair, cfg: [pair[0] * cfg["k"][0], {"z": pair[1].exp(), "none": None}],
+        lambda b: (((b.randn(3), b.randn(2)), {"k": [b.randn(3)]}), {}),
+    ),
+    "constants": (
+        lambda x, mode, n=1: {"y": x * n, "mode": mode, "pair": (n, None)},
+        lambda b: ((b.randn(3), "train"), {"n": 3}),
+    ),
+    "tensordict-in": (
+        lambda td: td["obs"] * 2 + td["next", "obs"].where(td["next", "done"], 0.0),
+        lambda b: ((_td(b),), {}),
+    ),
+    "tensordict-out": (
+        lambda td: TensorDict(
+            y=td["obs"] + 1,
+            nested=TensorDict(z=td["next", "obs"] * 2, batch_size=td.batch_size),
+            batch_size=td.batch_size,
+        ),
+        lambda b: ((_td(b),), {}),
+    ),
+    "tensorclass": (
+        lambda t: Transition(obs=t.obs * 2, reward=t.reward.sum(-1, keepdim=True), batch_size=[4]),
+        lambda b: ((Transition(obs=b.randn(4, 3), reward=b.randn(4, 2), batch_size=[4]),), {}),
+    ),
+    "integer-and-bool": (
+        lambda i, m: (i * 2, m & (i > 0)),
+        lambda b: ((torch.randint(-5, 5, (6,), device=b.device), b.randn(6) > 0), {}),
+    ),
+    "identity": (lambda x: x, lambda b: ((b.randn(3),), {})),
+    "none-out": (lambda x: None, lambda b: ((b.randn(3),), {})),
+}
+
+
+def assert_tree_close(actual: Any, expected: Any) -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor)
+        torch.testing.assert_close(actual, expected)
+    elif isinstance(expected, (TensorDict, Transition)):
+        assert type(actual) is type(expected)
+        assert actual.batch_size == expected.batch_size
+        torch.testing.assert_close(
+            actual.to_dict()
+            if isinstance(actual, TensorDict)
+            else actual.to_tensordict().to_dict(),
+            expected.to_dict()
+            if isinstance(expected, TensorDict)
+            else expected.to_tensordict().to_dict(),
+        )
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict) and actual.keys() == expected.keys()
+        for key in expected:
+            assert_tree_close(actual[key], expected[key])
+    elif isinstance(expected, (list, tuple)):
+        assert type(actual) is type(expected) and len(actual) == len(expected)
+        for a, e in zip(actual, expected, strict=True):
+            assert_tree_close(a, e)
+    else:
+        assert actual == expected
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("warmup", [1, 2, 3])
+def test_outputs_match_eager_and_are_not_overwritten(
+    backend: Backend, case: str, warmup: int
+) -> None:
+    fn, make_inputs = CASES[case]
+    graphed = backend.wrap(fn, warmup=warmup)
+    results = []
+    for _ in range(warmup + 3):
+        args, kwargs = make_inputs(backend)
+        expected = fn(*args, **kwargs)
+        out = graphed(*args, **kwargs)
+        assert_tree_close(out, expected)
+        results.append((out, expected))
+    assert graphed.is_captured
+    backend.sync()
+    # Later calls write new values into the graph's buffers: earlier results must not change.
+    for out, expected in results:
+        assert_tree_close(out, expected)
+
+
+def test_output_is_fresh_memory_not_the_graph_buffer(backend: Backend) -> None:
+    graphed = backend.wrap(lambda x: x * 2, warmup=1)
+    x = backend.randn(3)
+    first, second = graphed(x), graphed(x)
+    third = graphed(x)
+    assert first.data_ptr() != second.data_ptr() != third.data_ptr()
+    second.zero_()  # the caller owns its result: writing into it changes no later result
+    torch.testing.assert_close(graphed(x), x * 2)
+
+
+def test_call_counting_follows_tensordict(backend: Backend) -> None:
+    fn = counting(lambda x: x + 1)
+    graphed = backend.wrap(fn, warmup=3)
+    x = backend.randn(2)
+    executions = []
+    for _ in range(5):
+        graphed(x)
+        executions.append(fn.calls)
+    assert graphed.counter == 3 and graphed.is_captured
+    # Warm-up calls 1 and 2 run the function once; call 3 captures; later calls replay.
+    # CUDA runs it twice at capture (an eager run for the result, then the recording) and
+    # never at replay; the emulation runs it once per call.
+    if backend.name == "cuda":
+        assert executions == [1, 2, 4, 4, 4]
+    else:
+        assert executions == [1, 2, 3, 4, 5]
+
+
+def test_effects_happen_once_per_call(backend: Backend) -> None:
+    total = torch.zeros(3, device=backend.device)
+
+    def accumulate(x: torch.Tensor) -> torch.Tensor:
+        total.add_(x)
+        return total * 1
+
+    graphed = backend.wrap(accumulate, warmup=2)
+    inputs = [backend.randn(3) for _ in range(6)]
+    for i, x in enumerate(inputs):
+        out = graphed(x)
+        torch.testing.assert_close(out, torch.stack(inputs[: i + 1]).sum(0))
+    torch.testing.assert_close(total, torch.stack(inputs).sum(0))
+
+
+def test_inplace_updates_of_inputs_reach_the_caller(backend: Backend) -> None:
+    def step(x: torch.Tensor, td: TensorDict) -> torch.Tensor:
+        x.mul_(2)
+        td["h"].add_(1)
+        return x + td["h"]
+
+    graphed = backend.wrap(step, warmup=2)
+    for _ in range(4):
+        x = backend.randn(3)
+        td = TensorDict(h=backend.randn(3), batch_size=[3])
+        x_eager, td_eager = x.clone(), td.clone()
+        expected = step(x_eager, td_eager)
+        out = graphed(x, td)
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(x, x_eager)
+        torch.testing.assert_close(td["h"], td_eager["h"])
+
+
+def test_module_under_no_grad_and_load_state_dict(backend: Backend) -> None:
+    net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2)).to(backend.device)
+    graphed = backend.wrap(net)
+    x = backend.randn(5, 3)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(graphed(x), net(x))
+        other = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2)).to(backend.device)
+        graphed.load_state_dict(other.state_dict())  # copies in place: the graph sees it
+        torch.testing.assert_close(graphed(x), other(x))
+    assert graphed.state_dict().keys() == net.state_dict().keys()
+
+
+def test_state_dict_of_a_function() -> None:
+    graphed = CudaGraphModule(lambda x: x, backend="emulate")
+    assert graphed.state_dict() == {}
+    graphed.load_state_dict({})
+    with pytest.raises(TypeError, match="has no `load_state_dict`"):
+        graphed.load_state_dict({"w": torch.zeros(1)})
+
+
+def test_reset_drops_the_graph_and_warms_up_again(backend: Backend) -> None:
+    fn = counting(lambda x: x.cumsum(0))
+    graphed = backend.wrap(fn, warmup=2)
+    for _ in range(3):
+        graphed(backend.randn(4))
+    graphed.reset()
+    assert graphed.counter == 0 and not graphed.is_captured
+    for _ in range(3):  # another shape is fine once the graph is dropped
+        x = backend.randn(7)
+        torch.testing.assert_close(graphed(x), x.cumsum(0))
+    assert graphed.is_captured
+
+
+def test_repr_shows_the_module_and_the_state() -> None:
+    graphed = CudaGraphModule(nn.Linear(2, 2), warmup=3, backend="emulate")
+    text = repr(graphed)
+    assert text.startswith("CudaGraphModule(\n    module=Linear(in_features=2")
+    assert "warmup=3" in text and "backend='emulate'" in text
+    assert "0 of 2 warm-up calls done" in text
+    with torch.no_grad():
+        for _ in range(3):
+            graphed(torch.randn(1, 2))
+    assert "captured: calls replay the graph" in repr(graphed)
+
+
+def test_without_cuda_warns_once_then_calls_the_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.warns(UserWarning, match=re.escape("created on a machine without CUDA")):
+        graphed = CudaGraphModule(lambda x: x)
+    x = torch.randn(3)
+    for _ in range(3):
+        assert graphed(x) is x  # the function's own result, no copy
+    assert graphed.counter == 0 and not graphed.is_captured
+    assert "eager (no CUDA)" in repr(graphed)
+
+
+def test_backend_cuda_without_cuda_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match=re.escape("backend='cuda') needs CUDA")):
+        CudaGraphModule(lambda x: x, backend="cuda")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"warmup": 0}, "`warmup` must be an integer greater than 0, got 0."),
+        ({"warmup": 1.5}, "`warmup` must be an integer greater than 0, got 1.5."),
+        ({"warmup": True}, "`warmup` must be an integer greater than 0, got True."),
+        ({"backend": "tpu"}, "`backend` must be one of 'auto', 'cuda', 'emulate', got 'tpu'."),
+        (
+            {"capture_error_mode": "strict"},
+            "`capture_error_mode` must be one of 'global', 'thread_local', 'relaxed', got 'strict'.",
+        ),
+    ],
+    ids=["warmup-zero", "warmup-float", "warmup-bool", "backend", "capture-error-mode"],
+)
+def test_invalid_options(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        CudaGraphModule(lambda x: x, **{"backend": "emulate", **kwargs})

@@ -1,0 +1,229 @@
+"""Every wrong input is caught before any copy or replay, with the leaf path and the fix."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from .conftest import Backend
+
+HINT = "or call `reset()` to capture the graph again for the new inputs."
+
+
+def _captured(backend: Backend) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    """A wrapper captured with a tensor, a TensorDict, a nested dict and constants."""
+
+    def fn(
+        x: torch.Tensor, td: TensorDict, cfg: dict[str, Any], *, obs: torch.Tensor, mode: str
+    ) -> Any:
+        return x.sum() + td["next", "obs"].sum() + cfg["w"][0].sum() + obs.sum() + len(mode)
+
+    args = (
+        backend.randn(4, 3),
+        TensorDict(next=TensorDict(obs=backend.randn(4, 2), batch_size=[4]), batch_size=[4]),
+        {"w": [backend.randn(2)]},
+    )
+    kwargs = {"obs": backend.randn(3), "mode": "train"}
+    graphed = backend.wrap(fn, warmup=1)
+    graphed(*args, **kwargs)
+    return graphed, args, kwargs
+
+
+def _check_raises(
+    graphed: Any, args: Any, kwargs: Any, error: type[Exception], message: str
+) -> None:
+    """The call raises ``error`` with ``message``, leaves the graph untouched and keeps working."""
+    static_before = [t.clone() for t in graphed._captured.signature.static_inputs]
+    with pytest.raises(error, match=re.escape(message)):
+        graphed(*args, **kwargs)
+    for before, after in zip(static_before, graphed._captured.signature.static_inputs, strict=True):
+        torch.testing.assert_close(before, after)  # nothing was copied into the graph
+
+
+def test_wrong_shape(backend: Backend) -> None:
+    graphed, args, kwargs = _captured(backend)
+    bad = {**kwargs, "obs": backend.randn(5)}
+    _check_raises(
+        graphed,
+        args,
+        bad,
+        ValueError,
+        'CudaGraphModule was captured with kwargs["obs"] of shape (3,), but received shape (5,). '
+        "A CUDA graph replays fixed shapes: pass an input of the captured shape, use one "
+        f"CudaGraphModule per shape, {HINT}",
+    )
+
+
+def test_wrong_entry_shape_in_a_tensordict(backend: Backend) -> None:
+    graphed, args, kwargs = _captured(backend)
+    td = TensorDict(next=TensorDict(obs=backend.randn(4, 5), batch_size=[4]), batch_size=[4])
+    _check_raises(
+        graphed,
+        (args[0], td, args[2]),
+        kwargs,
+        ValueError,
+        'captured with args[1]["next", "obs"] of shape (4, 2), but received shape (4, 5).',
+    )
+
+
+def test_wrong_batch_size(backend: Backend) -> None:
+    graphed, args, kwargs = _captured(backend)
+    td = TensorDict(next=TensorDict(obs=backend.randn(4, 2), batch_size=[4]), batch_size=[])
+    _check_raises(
+        graphed,
+        (args[0], td, args[2]),
+        kwargs,
+        ValueError,
+        "captured with args[1] of batch size [4], but received batch size [].",
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.int64], ids=str)
+def test_wrong_dtype_is_not_cast(backend: Backend, dtype: torch.dtype) -> None:
+    graphed, args, kwargs = _captured(backend)
+    _check_raises(
+        graphed,
+        (args[0].to(dtype), *args[1:]),
+        kwargs,
+        ValueError,
+        f"CudaGraphModule was captured with args[0] of dtype torch.float32, but received dtype "
+        f"{dtype}. The replay does not cast inputs: convert it with `.to(torch.float32)`, {HINT}",
+    )
+
+
+def test_wrong_device(backend: Backend) -> None:
+    graphed, args, kwargs = _captured(backend)
+    other = torch.device("cpu") if backend.name == "cuda" else torch.device("meta")
+    bad = {"w": [args[2]["w"][0].to(other)]}
+    _check_raises(
+        graphed,
+        (args[0], args[1], bad),
+        kwargs,
+        ValueError,
+        f'captured with args[2]["w"][0] on device {backend.device}, but received it on device '
+        f"{other}. A graph reads its inputs from one device: move it with `.to('{backend.device}')` "
+        "before the call.",
+    )
+
+
+def test_wrong_device_at_capture(backend: Backend) -> None:
+    other = torch.device("cpu") if backend.name == "cuda" else torch.device("meta")
+    graphed = backend.wrap(lambda x, y: x + y.sum(), warmup=1)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"CudaGraphModule captures its graph on {backend.device}, but args[1] is on {other}."
+        ),
+    ):
+        graphed(backend.randn(2), torch.zeros(2, device=other))
+
+
+def test_changed_constant(backend: Backend) -> None:
+    graphed, args, kwargs = _captured(backend)
+    _check_raises(
+        graphed,
+        args,
+        {**kwargs, "mode": "eval"},
+        ValueError,
+        "CudaGraphModule was captured with the non-tensor argument kwargs[\"mode\"] = 'train', but "
+        "received 'eval'. The graph replays the captured value: pass values that change between "
+        f"calls as tensors, use one CudaGraphModule per value, {HINT}",
+    )
+
+
+def test_constant_of_another_type(backend: Backend) -> None:
+    graphed = backend.wrap(lambda x, n: x * n, warmup=1)
+    graphed(backend.randn(2), 1)
+    with pytest.raises(ValueError, match=re.escape("argument args[1] = 1, but received 1.0")):
+        graphed(backend.randn(2), 1.0)
+
+
+def test_tensor_where_a_constant_was_captured(backend: Backend) -> None:
+    graphed = backend.wrap(lambda x, n: x * n, warmup=1)
+    graphed(backend.randn(2), 2.0)
+    with pytest.raises(
+        ValueError,
+        match=re.escape("captured with args[1] of type float, but received type Tensor."),
+    ):
+        graphed(backend.randn(2), backend.randn(()))
+
+
+def test_missing_and_extra_arguments(backend: Backend) -> None:
+    graphed, args, kwargs = _captured(backend)
+    _check_raises(
+        graphed,
+        args[:2],
+        {**kwargs, "extra": 1},
+        ValueError,
+        "CudaGraphModule was called with inputs of another structure than at capture:\n"
+        "  missing: args[2]\n"
+        '  extra: kwargs["extra"]\n'
+        f"A graph replays the captured call: pass the same arguments and keys, {HINT}",
+    )
+
+
+def test_missing_tensordict_key_is_a_key_error(backend: Backend) -> None:
+    graphed, args, kwargs = _captured(backend)
+    td = TensorDict(next=TensorDict(batch_size=[4]), batch_size=[4])
+    _check_raises(
+        graphed,
+        (args[0], td, args[2]),
+        kwargs,
+        KeyError,
+        'CudaGraphModule input lacks the key(s) args[1]["next", "obs"] that the captured graph '
+        "reads. Pass a TensorDict with every entry it had at capture.",
+    )
+
+
+def test_extra_tensordict_key(backend: Backend) -> None:
+    graphed, args, kwargs = _captured(backend)
+    td = args[1].clone()
+    td["other"] = backend.randn(4)
+    _check_raises(graphed, (args[0], td, args[2]), kwargs, ValueError, '  extra: args[1]["other"]')
+
+
+def test_input_that_requires_grad(backend: Backend) -> None:
+    graphed, args, kwargs = _captured(backend)
+    bad = {**kwargs, "obs": backend.randn(3, requires_grad=True)}
+    _check_raises(
+        graphed,
+        args,
+        bad,
+        RuntimeError,
+        'CudaGraphModule received kwargs["obs"], a tensor that requires grad, but the graph is '
+        "not captured for autograd",
+    )
+
+
+def test_input_that_requires_grad_at_capture(backend: Backend) -> None:
+    graphed = backend.wrap(lambda x: x * 2, warmup=2)
+    with pytest.raises(RuntimeError, match=re.escape("args[0], a tensor that requires grad")):
+        graphed(backend.randn(3, requires_grad=True))
+
+
+def test_uncomparable_constant_is_refused_at_capture(backend: Backend) -> None:
+    class NoBool:
+        def __eq__(self, other: object) -> Any:
+            return torch.zeros(2)
+
+        __hash__ = object.__hash__
+
+    graphed = backend.wrap(lambda x, c: x, warmup=1)
+    with pytest.raises(
+        TypeError, match=re.escape("cannot check the non-tensor argument args[1] of type NoBool")
+    ):
+        graphed(backend.randn(2), NoBool())
+
+
+def test_good_call_after_errors_matches_eager(backend: Backend) -> None:
+    graphed, args, kwargs = _captured(backend)
+    for bad in ({**kwargs, "obs": backend.randn(5)}, {**kwargs, "mode": "eval"}):
+        with pytest.raises(ValueError):
+            graphed(*args, **bad)
+    x = backend.randn(4, 3)
+    expected = graphed.module(x, *args[1:], **kwargs)
+    torch.testing.assert_close(graphed(x, *args[1:], **kwargs), expected)

@@ -1,0 +1,121 @@
+"""Trees: optree flattening in the library's namespace, TensorDict nodes, readable paths."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections import namedtuple
+
+import pytest
+import torch
+from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, tensorclass
+
+from cudagraph_td import _tree
+
+Pair = namedtuple("Pair", "first second")
+
+
+@tensorclass
+class Sample:
+    obs: torch.Tensor
+    tag: str
+
+
+def _call_tree() -> tuple[tuple[object, ...], dict[str, object]]:
+    td = TensorDict(
+        obs=torch.zeros(3),
+        next=TensorDict(observation=torch.ones(3, 2), batch_size=[3]),
+        note=NonTensorData("hi", batch_size=[3]),
+        batch_size=[3],
+    )
+    lazy = LazyStackedTensorDict(
+        TensorDict(a=torch.zeros(2)), TensorDict(a=torch.ones(2)), stack_dim=0
+    )
+    sample = Sample(obs=torch.zeros(2), tag="t", batch_size=[2])
+    return (td, [1, None, Pair(torch.zeros(1), 2.0)], sample, lazy), {
+        "x": torch.zeros(1),
+        "mode": "eval",
+    }
+
+
+def test_leaf_paths_read_like_python() -> None:
+    assert _tree.leaf_paths(_call_tree()) == [
+        'args[0]["obs"]',
+        'args[0]["next", "observation"]',
+        'args[0]["note"]',
+        "args[1][0]",
+        "args[1][2].first",
+        "args[1][2].second",
+        "args[2].obs",
+        "args[2].tag",
+        'args[3][0]["a"]',
+        'args[3][1]["a"]',
+        'kwargs["mode"]',
+        'kwargs["x"]',
+    ]
+
+
+def test_output_paths_start_at_the_output() -> None:
+    out = {"loss": torch.zeros(()), "td": TensorDict(a=torch.zeros(1))}
+    assert _tree.leaf_paths(out, root="output") == ['output["loss"]', 'output["td"]["a"]']
+
+
+def test_flatten_and_unflatten_round_trip() -> None:
+    tree = _call_tree()
+    leaves, spec = _tree.flatten(tree)
+    assert len(leaves) == 12
+    (td, seq, sample, lazy), kwargs = _tree.unflatten(spec, leaves)
+    assert isinstance(td, TensorDict) and td.batch_size == torch.Size([3])
+    assert td["next", "observation"].shape == (3, 2) and td["note"] == "hi"
+    assert seq[0] == 1 and seq[1] is None and isinstance(seq[2], Pair)
+    assert isinstance(sample, Sample) and sample.tag == "t"
+    assert isinstance(lazy, LazyStackedTensorDict) and lazy.stack_dim == 0
+    assert kwargs["mode"] == "eval"
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["batch_size", "key", "nested_key"],
+)
+def test_tensordict_structure_is_part_of_the_treespec(change: str) -> None:
+    td = TensorDict(
+        a=torch.zeros(3), b=TensorDict(c=torch.zeros(3), batch_size=[3]), batch_size=[3]
+    )
+    other = td.clone()
+    if change == "batch_size":
+        other.batch_size = []
+    elif change == "key":
+        other["d"] = torch.zeros(3)
+    else:
+        other["b", "e"] = torch.zeros(3)
+    assert _tree.flatten(td)[1] != _tree.flatten(other)[1]
+    assert _tree.flatten(td)[1] == _tree.flatten(td.clone())[1]
+
+
+def test_torch_global_pytree_registry_is_untouched() -> None:
+    # In a fresh interpreter: what torch's registry holds before cudagraph_td is imported
+    # must be exactly what it holds after it flattened every kind of tree it supports.
+    script = textwrap.dedent(
+        """
+        import torch, tensordict, optree
+        import torch.utils._pytree as pytree
+        # tensordict registers its own types (tensorclasses too, when they are defined).
+        from tests.test_tree import _call_tree
+        before = dict(pytree.SUPPORTED_NODES)
+        before_optree = optree.register_pytree_node.get(namespace="")
+        from cudagraph_td import CudaGraphModule, _tree
+        _tree.flatten(_call_tree())
+        graphed = CudaGraphModule(lambda td: td["obs"] * 2, warmup=1, backend="emulate")
+        td = tensordict.TensorDict(obs=torch.zeros(3), batch_size=[3])
+        graphed(td); graphed(td)
+        assert dict(pytree.SUPPORTED_NODES) == before, "torch's pytree registry changed"
+        assert optree.register_pytree_node.get(namespace="") == before_optree, "optree's global namespace changed"
+        print("untouched")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "untouched"
