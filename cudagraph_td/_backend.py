@@ -10,7 +10,6 @@ input that is not copied in) fails on a machine without a GPU too.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
@@ -76,7 +75,7 @@ class CudaBackend:
                 try:
                     out = fn()
                 except BaseException:
-                    _end_failed_capture(graph)
+                    self._end_failed_capture(graph)
                     raise
                 graph.capture_end()
         finally:
@@ -84,17 +83,26 @@ class CudaBackend:
                 gc.enable()
         return graph, out
 
+    def _end_failed_capture(self, graph: torch.cuda.CUDAGraph) -> None:
+        """Take the capture stream out of capture mode after the function raised inside it."""
+        try:
+            graph.capture_end()
+        except RuntimeError:
+            # The error that broke the capture also invalidated it, and ending it raises
+            # again; the caller raises the first error, which says what went wrong. torch
+            # then skips the end of its own bookkeeping: the CUDA generator stays marked as
+            # capturing, and the next random op outside a graph fails. A capture that ends
+            # well clears that mark on the same generator state.
+            self._clear_generator_capture_mark()
+        if torch.cuda.is_current_stream_capturing():  # pragma: no cover - driver failure
+            raise RuntimeError("cudagraph_td could not end a failed capture")
 
-def _end_failed_capture(graph: torch.cuda.CUDAGraph) -> None:
-    """Take the capture stream out of capture mode after the function raised inside it."""
-    # The error that broke the capture also invalidated it; ending it reports that again,
-    # and the caller raises the first error, which says what went wrong.
-    with contextlib.suppress(RuntimeError):
+    def _clear_generator_capture_mark(self) -> None:
+        scratch = torch.empty(1, device=self.device)
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin()
+        scratch.zero_()  # a graph must hold a node for capture_end to accept it
         graph.capture_end()
-    if torch.cuda.is_current_stream_capturing():  # pragma: no cover - CUDA driver failure
-        raise RuntimeError(
-            "cudagraph_td could not end a failed capture; the CUDA context is unusable"
-        )
 
 
 class EmulatedBackend:
