@@ -136,11 +136,16 @@ def missing_keys(name: str, missing: list[str]) -> InputKeyError:
 # What a CUDA error raised during capture usually means, by a phrase of its message.
 _CAPTURE_CAUSES = (
     (
-        ("operation not permitted when stream is capturing", "cudaErrorStreamCaptureUnsupported"),
+        (
+            "operation not permitted when stream is capturing",
+            "cudaErrorStreamCaptureUnsupported",
+            "Cannot copy between CPU and CUDA tensors during CUDA graph capture",
+        ),
         "the function synchronises the host with the GPU, which a graph cannot capture: "
         "`.item()`, `.tolist()`, `.cpu()`, `print()` of a CUDA tensor, `bool()` or an `if` on a "
         "CUDA tensor, `torch.cuda.synchronize()`, boolean-mask indexing or `nonzero()`, or "
-        "creating a CUDA tensor from Python data (`torch.tensor([...], device='cuda')`). "
+        "a copy between CUDA and pageable CPU memory (`torch.tensor([...], device='cuda')`, "
+        "`.to('cpu')`). "
         "Move such code out of the function, or use tensor ops (`torch.where`) instead.",
     ),
     (
