@@ -32,7 +32,7 @@ class CudaGraphModule:
     input tensors by the function reach the caller, as in eager mode.
 
     Without CUDA (and with ``backend="auto"``), the constructor warns once and every call
-    runs the function directly. See :doc:`sharp-edges` for what a graph cannot capture.
+    runs the function directly. See [sharp edges][sharp-edges] for what a graph cannot capture.
 
     Args:
         module: The function, :class:`torch.nn.Module` or TensorDictModule to capture.
