@@ -133,6 +133,13 @@ def missing_keys(name: str, missing: list[str]) -> InputKeyError:
     )
 
 
+def missing_in_keys(name: str, missing: list[Any]) -> InputKeyError:
+    return InputKeyError(
+        f"{name} input lacks the in_keys {missing} that the module reads. Pass a TensorDict "
+        "with every in_key, or keyword tensors named by them."
+    )
+
+
 # What a CUDA error raised during capture usually means, by a phrase of its message.
 _CAPTURE_CAUSES = (
     (

@@ -15,7 +15,7 @@ import torch
 
 from . import _errors, _tree
 from ._backend import Backend, Graph
-from ._signature import Signature
+from ._signature import Signature, validate
 
 
 class Outputs:
@@ -104,7 +104,10 @@ def capture(
     versions = [t._version for t in static]
 
     def run_static() -> Any:
-        return module(*signature.static_args, **signature.static_kwargs)
+        # Fresh containers at each run, so that keys written into an input TensorDict by one
+        # (emulated) run are not inputs of the next, as on CUDA where the function runs once.
+        static_args, static_kwargs = signature.static_tree()
+        return module(*static_args, **static_kwargs)
 
     try:
         if not backend.executes_on_capture:
@@ -123,6 +126,58 @@ def capture(
         with torch.no_grad():
             torch._foreach_copy_([user_tensors[i] for i in mutated], [static[i] for i in mutated])
     return CapturedCall(signature, graph, outputs, mutated), result
+
+
+class GraphRunner:
+    """The life of one graph: warm-up calls, the capture, then replays.
+
+    ``runner.run(args, kwargs)`` calls ``fn(*args, **kwargs)`` as the current stage requires:
+    calls ``1 … warmup-1`` run it eagerly through the backend, call ``warmup`` captures it,
+    later calls replay the graph. ``make_backend(args, kwargs)`` makes the backend on the
+    first call, from its inputs; ``None`` means no graph at all: every call runs ``fn``.
+    The runner holds no reference to the wrapper that owns it, so that dropping the wrapper
+    frees the graph at once, without waiting for the garbage collector.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        warmup: int,
+        make_backend: Callable[[tuple[Any, ...], dict[str, Any]], Backend] | None,
+    ):
+        self.name = name
+        self.fn = fn
+        self.warmup = warmup
+        self.make_backend = make_backend
+        self.backend: Backend | None = None
+        self.counter = 0
+        self.captured: CapturedCall | None = None
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        captured = self.captured
+        if captured is not None:
+            return captured(args, kwargs)
+        if self.make_backend is None:
+            return self.fn(*args, **kwargs)
+        return self._prepare(args, kwargs)
+
+    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        assert self.make_backend is not None
+        backend = self.backend or self.make_backend(args, kwargs)
+        self.backend = backend
+        if self.counter < self.warmup - 1:
+            validate(self.name, args, kwargs, backend.device)
+            stage = f"run warm-up call {self.counter + 1} of {self.warmup - 1}"
+            try:
+                result = backend.warmup(lambda: self.fn(*args, **kwargs))
+            except Exception as err:
+                raise _errors.capture_failure(self.name, stage, err) from err
+            self.counter += 1
+            return result
+        self.captured, result = capture(self.name, self.fn, args, kwargs, backend)
+        self.counter += 1
+        return result
 
 
 def _input_tensors(

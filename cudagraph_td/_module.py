@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
+from tensordict.nn.probabilistic import interaction_type
 
-from . import _errors, _graph, _signature, _tree
+from . import _graph, _tdmodule, _tree
 from ._backend import CAPTURE_ERROR_MODES, Backend, CudaBackend, EmulatedBackend
 
 BackendName = Literal["auto", "cuda", "emulate"]
@@ -107,21 +110,15 @@ class CudaGraphModule:
                 "backend='auto' to fall back to eager calls, or 'emulate' to test on the CPU."
             )
         self.module = module
-        self.counter = 0
         self._warmup = warmup
-        self.in_keys = getattr(module, "in_keys", in_keys)
-        self.out_keys = getattr(module, "out_keys", out_keys)
-        if self.out_keys is None and self.in_keys is not None:
-            self.out_keys = []
+        name = type(self).__name__
+        self.in_keys, self.out_keys = _tdmodule.resolve_keys(name, module, in_keys, out_keys)
         self.device = None if device is None else torch.device(device)
         self._pool = pool
         self._capture_error_mode = capture_error_mode
         self._backend_name: str = backend
         if backend == "auto":
             self._backend_name = "cuda" if torch.cuda.is_available() else "eager"
-        self._backend: Backend | None = None
-        self._captured: _graph.CapturedCall | None = None
-        self._replay: Callable[[tuple[Any, ...], dict[str, Any]], Any] = self._prepare
         if self._backend_name == "eager":
             warnings.warn(
                 "CudaGraphModule is created on a machine without CUDA: calls run the function "
@@ -129,55 +126,67 @@ class CudaGraphModule:
                 UserWarning,
                 stacklevel=2,
             )
-            self._replay = self._eager
+        self._fn = module
+        self._td_call: _tdmodule.TensorDictCall | None = None
+        if self.in_keys is not None:
+            self._fn = _tdmodule.recording_writes(module)
+            owner = weakref.ref(self)  # no cycle through the TensorDict layer
+
+            def current_runner() -> _graph.GraphRunner:
+                wrapper = owner()
+                assert wrapper is not None
+                return wrapper._runner
+
+            self._td_call = _tdmodule.TensorDictCall(
+                name, self.in_keys, self.out_keys, current_runner
+            )
+        # One graph per tensordict interaction type: a stochastic policy captured while
+        # sampling must not replay its samples when called for its mode, and the reverse.
+        self._runners: dict[Any, _graph.GraphRunner] = {}
+        self._interaction = interaction_type()
+        self._runner = self._new_runner()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._replay(args, kwargs)
+        if interaction_type() is not self._interaction:
+            self._switch_runner()
+        if self._td_call is not None:
+            return self._td_call.call(*args, **kwargs)
+        return self._runner.run(args, kwargs)
 
-    def _eager(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return self.module(*args, **kwargs)
+    def _new_runner(self) -> _graph.GraphRunner:
+        make_backend = None
+        if self._backend_name != "eager":
+            make_backend = functools.partial(
+                _make_backend, self._backend_name, self.device, self._pool, self._capture_error_mode
+            )
+        runner = _graph.GraphRunner(type(self).__name__, self._fn, self._warmup, make_backend)
+        self._runners[self._interaction] = runner
+        return runner
 
-    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Every call before the first replay: warm-up calls, then the capture."""
-        backend = self._backend or self._make_backend(args, kwargs)
-        name = type(self).__name__
-        if self.counter < self._warmup - 1:
-            _signature.validate(name, args, kwargs, backend.device)
-            stage = f"run warm-up call {self.counter + 1} of {self._warmup - 1}"
-            try:
-                result = backend.warmup(lambda: self.module(*args, **kwargs))
-            except Exception as err:
-                raise _errors.capture_failure(name, stage, err) from err
-            self.counter += 1
-            return result
-        captured, result = _graph.capture(name, self.module, args, kwargs, backend)
-        self._captured = captured
-        self._replay = captured
-        self.counter += 1
-        return result
+    def _switch_runner(self) -> None:
+        self._interaction = interaction_type()
+        runner = self._runners.get(self._interaction)
+        self._runner = runner if runner is not None else self._new_runner()
 
-    def _make_backend(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Backend:
-        if self._backend_name == "emulate":
-            backend: Backend = EmulatedBackend(self.device)
-        else:
-            device = self.device or _first_cuda_device((args, kwargs))
-            if device is None or device.index is None:  # "cuda" alone means the current device
-                device = torch.device("cuda", torch.cuda.current_device())
-            backend = CudaBackend(device, self._pool, self._capture_error_mode)
-        self._backend = backend
-        return backend
+    def _current_runner(self) -> _graph.GraphRunner | None:
+        return self._runners.get(interaction_type())
+
+    @property
+    def counter(self) -> int:
+        """How many calls ran before the first replay (warm-up calls, then the capture)."""
+        runner = self._current_runner()
+        return 0 if runner is None else runner.counter
 
     def reset(self) -> None:
-        """Drop the captured graph and its buffers; the next call starts the warm-up again."""
-        self._captured = None
-        self.counter = 0
-        if self._backend_name != "eager":
-            self._replay = self._prepare
+        """Drop the captured graphs and their buffers; the next call starts the warm-up again."""
+        self._runners.clear()
+        self._runner = self._new_runner()
 
     @property
     def is_captured(self) -> bool:
-        """Whether the graph is captured, so that calls replay it."""
-        return self._captured is not None
+        """Whether the graph of the current interaction type is captured, so calls replay it."""
+        runner = self._current_runner()
+        return runner is not None and runner.captured is not None
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's ``state_dict``, or ``{}`` for a function without one."""
@@ -203,7 +212,7 @@ class CudaGraphModule:
     def __repr__(self) -> str:
         if self._backend_name == "eager":
             state = "eager (no CUDA)"
-        elif self._captured is not None:
+        elif self.is_captured:
             state = "captured: calls replay the graph"
         else:
             state = f"warming up: {self.counter} of {self._warmup - 1} warm-up calls done"
@@ -217,6 +226,22 @@ class CudaGraphModule:
         }
         body = ",\n".join(f"    {key}={value}" for key, value in fields.items())
         return f"{type(self).__name__}(\n{body}\n)"
+
+
+def _make_backend(
+    name: str,
+    device: torch.device | None,
+    pool: Any,
+    capture_error_mode: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Backend:
+    if name == "emulate":
+        return EmulatedBackend(device)
+    device = device or _first_cuda_device((args, kwargs))
+    if device is None or device.index is None:  # "cuda" alone means the current device
+        device = torch.device("cuda", torch.cuda.current_device())
+    return CudaBackend(device, pool, capture_error_mode)
 
 
 def _first_cuda_device(tree: Any) -> torch.device | None:

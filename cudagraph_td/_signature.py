@@ -67,10 +67,16 @@ class Signature:
         # The graph's own copies of the tensor inputs: replays copy new inputs into them.
         with torch.no_grad():
             self.static_inputs = [leaves[i].clone() for i in self.tensor_index]
-        static_leaves = list(leaves)
+        self._static_leaves = list(leaves)
         for i, static in zip(self.tensor_index, self.static_inputs, strict=True):
-            static_leaves[i] = static
-        self.static_args, self.static_kwargs = _tree.unflatten(self.spec, static_leaves)
+            self._static_leaves[i] = static
+        # The captured inputs as the user passed them, kept for error messages; the function
+        # gets trees of its own (see static_tree), which it may change (write TensorDict keys).
+        self.static_args, self.static_kwargs = self.static_tree()
+
+    def static_tree(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """New containers (tuples, dicts, TensorDicts) around the graph's static input tensors."""
+        return _tree.unflatten(self.spec, self._static_leaves)  # type: ignore[no-any-return]
 
     def consts_match(self, leaves: list[Any]) -> bool:
         """Whether the non-tensor leaves of a call are those of the capture (by type and value)."""

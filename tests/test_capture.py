@@ -175,4 +175,4 @@ def test_shared_pool_and_capture_error_mode(cuda: Backend) -> None:
 def test_graph_device_follows_the_inputs(cuda: Backend) -> None:
     graphed = cuda.wrap(lambda x: x + 1, warmup=1)
     graphed(cuda.randn(2))
-    assert graphed._backend is not None and graphed._backend.device == cuda.device
+    assert graphed._runner.backend is not None and graphed._runner.backend.device == cuda.device

@@ -37,10 +37,12 @@ def _check_raises(
     graphed: Any, args: Any, kwargs: Any, error: type[Exception], message: str
 ) -> None:
     """The call raises ``error`` with ``message``, leaves the graph untouched and keeps working."""
-    static_before = [t.clone() for t in graphed._captured.signature.static_inputs]
+    static_before = [t.clone() for t in graphed._runner.captured.signature.static_inputs]
     with pytest.raises(error, match=re.escape(message)):
         graphed(*args, **kwargs)
-    for before, after in zip(static_before, graphed._captured.signature.static_inputs, strict=True):
+    for before, after in zip(
+        static_before, graphed._runner.captured.signature.static_inputs, strict=True
+    ):
         torch.testing.assert_close(before, after)  # nothing was copied into the graph
 
 

@@ -1,0 +1,366 @@
+"""TensorDict modules: keys, keyword calls, writes into the input, and the TensorDict surface."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict
+from tensordict.nn import (
+    InteractionType,
+    ProbabilisticTensorDictModule,
+    ProbabilisticTensorDictSequential,
+    TensorDictModule,
+    set_interaction_type,
+)
+from torch import nn
+
+from .conftest import Backend
+
+
+def _actor(backend: Backend, out_keys: list[str] | None = None) -> TensorDictModule:
+    net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2)).to(backend.device)
+    return TensorDictModule(net, in_keys=["observation"], out_keys=out_keys or ["action"])
+
+
+def _obs_td(backend: Backend, batch: int = 8, **extra: Any) -> TensorDict:
+    return TensorDict(observation=backend.randn(batch, 4), batch_size=[batch], **extra)
+
+
+@torch.no_grad()
+def test_tensordict_call_writes_into_the_callers_tensordict(backend: Backend) -> None:
+    actor = _actor(backend)
+    graphed = backend.wrap(actor, warmup=2)
+    assert graphed.in_keys == ["observation"] and graphed.out_keys == ["action"]
+    actions = []
+    for _ in range(5):
+        td = _obs_td(backend)
+        obs = td["observation"]
+        expected = actor(td.clone())["action"]
+        out = graphed(td)
+        assert out is td  # identity kept, as a TensorDictModule keeps it
+        assert td["observation"] is obs  # the input entries are the caller's own
+        torch.testing.assert_close(td["action"], expected)
+        actions.append((td["action"], expected))
+    backend.sync()
+    for action, expected in actions:  # written entries are fresh memory, not graph buffers
+        torch.testing.assert_close(action, expected)
+
+
+@torch.no_grad()
+def test_keyword_tensors_return_the_out_keys(backend: Backend) -> None:
+    net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 4)).to(backend.device)
+    actor = TensorDictModule(
+        lambda x: net(x).chunk(2, -1), in_keys=["observation"], out_keys=["loc", "scale"]
+    )
+    graphed = backend.wrap(actor, warmup=2)
+    for _ in range(4):
+        obs = backend.randn(8, 4)
+        loc, scale = graphed(observation=obs)
+        expected = actor(observation=obs)
+        torch.testing.assert_close(loc, expected[0])
+        torch.testing.assert_close(scale, expected[1])
+    single = backend.wrap(_actor(backend), warmup=1)
+    obs = backend.randn(8, 4)
+    for _ in range(3):
+        torch.testing.assert_close(single(observation=obs), single.module(observation=obs))
+
+
+@torch.no_grad()
+def test_tensordict_out(backend: Backend) -> None:
+    actor = _actor(backend)
+    graphed = backend.wrap(actor, warmup=2)
+    for _ in range(4):
+        td = _obs_td(backend)
+        out_td = TensorDict(batch_size=[8])
+        result = graphed(td, tensordict_out=out_td)
+        assert result is out_td and "action" not in td.keys()  # noqa: SIM118 (a TensorDict)
+        torch.testing.assert_close(out_td["action"], actor(td.clone())["action"])
+
+
+def test_keys_from_the_arguments_for_a_function(backend: Backend) -> None:
+    def fn(tensordict: TensorDict) -> TensorDict:
+        tensordict["y"] = tensordict["x"] * 2 + 1
+        return tensordict
+
+    graphed = backend.wrap(fn, warmup=2, in_keys=["x"], out_keys=["y"])
+    for _ in range(4):
+        x = backend.randn(3)
+        torch.testing.assert_close(graphed(x=x), x * 2 + 1)
+
+
+def test_keys_given_twice_warn_and_the_modules_win(backend: Backend) -> None:
+    with pytest.warns(
+        UserWarning,
+        match=re.escape(
+            "ignores in_keys=['obs'] because the module has its own in_keys=['observation']"
+        ),
+    ):
+        graphed = backend.wrap(_actor(backend), in_keys=["obs"])
+    assert graphed.in_keys == ["observation"]
+    graphed = backend.wrap(_actor(backend), in_keys=[], out_keys=[])  # torchrl's form: no warning
+    assert graphed.out_keys == ["action"]
+
+
+def test_function_of_a_tensordict_returning_a_tuple(backend: Backend) -> None:
+    # torchrl's training scripts: CudaGraphModule(update, in_keys=[], out_keys=[]), whose
+    # update returns (loss_td, info); tensordict's class fails on such an output.
+    def update(td: TensorDict) -> tuple[TensorDict, dict[str, torch.Tensor]]:
+        loss = TensorDict(loss_actor=td["obs"].pow(2).mean(), loss_value=td["reward"].mean())
+        return loss, {"max": td["reward"].max(), "step": 1}
+
+    graphed = backend.wrap(update, in_keys=[], out_keys=[], warmup=2)
+    for _ in range(4):
+        td = TensorDict(obs=backend.randn(16, 3), reward=backend.randn(16, 1), batch_size=[16])
+        loss, info = graphed(td)
+        expected_loss, expected_info = update(td)
+        torch.testing.assert_close(loss.to_dict(), expected_loss.to_dict())
+        torch.testing.assert_close(info["max"], expected_info["max"])
+        assert info["step"] == 1
+
+
+@torch.no_grad()
+def test_entries_outside_the_in_keys_are_ignored(backend: Backend) -> None:
+    actor = _actor(backend)
+    graphed = backend.wrap(actor, warmup=1)
+    graphed(_obs_td(backend))
+    td = _obs_td(
+        backend,
+        other=backend.randn(8, 5),
+        done=torch.zeros(8, 1, dtype=torch.bool, device=backend.device),
+    )
+    other = td["other"]
+    graphed(td)
+    assert td["other"] is other
+    torch.testing.assert_close(td["action"], actor(td.clone())["action"])
+
+
+@pytest.mark.parametrize("warmup", [1, 3], ids=["at-capture", "at-warm-up"])
+def test_missing_in_key_is_a_key_error(backend: Backend, warmup: int) -> None:
+    graphed = backend.wrap(_actor(backend), warmup=warmup)
+    with (
+        torch.no_grad(),
+        pytest.raises(KeyError, match=re.escape("input lacks the in_keys ['observation']")),
+    ):
+        graphed(TensorDict(obs=backend.randn(8, 4), batch_size=[8]))
+
+
+@torch.no_grad()
+def test_missing_in_key_after_capture(backend: Backend) -> None:
+    graphed = backend.wrap(_actor(backend), warmup=1)
+    graphed(_obs_td(backend))
+    with pytest.raises(KeyError, match=re.escape('input lacks the key(s) args[0]["observation"]')):
+        graphed(TensorDict(obs=backend.randn(8, 4), batch_size=[8]))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(
+    ("td", "message"),
+    [
+        (
+            lambda b: _obs_td(b, batch=4),
+            "captured with args[0] of batch size [8], but received batch size [4]",
+        ),
+        (
+            lambda b: TensorDict(observation=b.randn(8, 4).double(), batch_size=[8]),
+            'args[0]["observation"] of dtype torch.float32, but received dtype torch.float64',
+        ),
+        (
+            lambda b: TensorDict(observation=b.randn(8, 4), batch_size=[]),
+            "captured with args[0] of batch size [8], but received batch size []",
+        ),
+    ],
+    ids=["batch-size", "dtype", "batch-size-empty"],
+)
+def test_wrong_tensordict_inputs_name_the_key(backend: Backend, td: Any, message: str) -> None:
+    graphed = backend.wrap(_actor(backend), warmup=1)
+    graphed(_obs_td(backend))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        graphed(td(backend))
+
+
+def test_recurrent_state_written_under_an_input_key(backend: Backend) -> None:
+    def cell(tensordict: TensorDict) -> TensorDict:
+        hidden = torch.tanh(tensordict["hidden"] * 0.9 + tensordict["obs"].sum(-1, keepdim=True))
+        tensordict["hidden"] = hidden  # rebinds an input key, as an RNN policy does
+        tensordict["out"] = hidden * 2
+        tensordict["obs"].add_(1)  # and updates an input in place
+        return tensordict
+
+    module = TensorDictModule(cell, in_keys=["obs", "hidden"], out_keys=["hidden", "out"])
+    # TensorDictModule would call cell with tensors; wrap the raw TD function instead.
+    module = cell
+    graphed = backend.wrap(module, warmup=2, in_keys=["obs", "hidden"], out_keys=["hidden", "out"])
+    td = TensorDict(
+        obs=backend.randn(4, 3), hidden=torch.zeros(4, 1, device=backend.device), batch_size=[4]
+    )
+    eager = td.clone()
+    for _ in range(5):
+        graphed(td)
+        cell(eager)
+        torch.testing.assert_close(td.to_dict(), eager.to_dict())
+
+
+@torch.no_grad()
+def test_nested_keys_and_device_none(backend: Backend) -> None:
+    net = nn.Linear(3, 2).to(backend.device)
+    module = TensorDictModule(net, in_keys=[("next", "obs")], out_keys=[("next", "value")])
+    graphed = backend.wrap(module, warmup=2)
+    for _ in range(4):
+        td = TensorDict(next=TensorDict(obs=backend.randn(5, 3), batch_size=[5]), batch_size=[5])
+        assert td.device is None
+        graphed(td)
+        torch.testing.assert_close(td["next", "value"], net(td["next", "obs"]))
+
+
+@torch.no_grad()
+def test_lazy_stack_input(backend: Backend) -> None:
+    actor = _actor(backend)
+    graphed = backend.wrap(actor, warmup=2)
+    for _ in range(4):
+        td = LazyStackedTensorDict(
+            *[TensorDict(observation=backend.randn(4)) for _ in range(3)], stack_dim=0
+        )
+        graphed(td)
+        torch.testing.assert_close(td["action"], actor.module(td["observation"]))
+
+
+def test_non_tensor_entries_are_checked_constants(backend: Backend) -> None:
+    def fn(td: TensorDict) -> torch.Tensor:
+        return td["x"] * (2 if td["mode"] == "double" else 3)
+
+    graphed = backend.wrap(fn, warmup=1, in_keys=[], out_keys=[])
+    td = TensorDict(x=backend.randn(3), mode=NonTensorData("double"), batch_size=[3])
+    torch.testing.assert_close(graphed(td), td["x"] * 2)
+    td = TensorDict(x=backend.randn(3), mode=NonTensorData("double"), batch_size=[3])
+    torch.testing.assert_close(graphed(td), td["x"] * 2)
+    td["mode"] = "triple"
+    with pytest.raises(
+        ValueError,
+        match=re.escape("non-tensor argument args[0][\"mode\"] = 'double', but received 'triple'"),
+    ):
+        graphed(td)
+
+
+def test_locked_tensordict_behaves_as_in_eager(backend: Backend) -> None:
+    def total(td: TensorDict) -> torch.Tensor:
+        return td["x"].sum(-1) + td["y"]
+
+    reader = backend.wrap(total, warmup=1, in_keys=[], out_keys=[])
+    for _ in range(3):  # a locked input that the function only reads
+        td = TensorDict(x=backend.randn(4, 3), y=backend.randn(4), batch_size=[4]).lock_()
+        torch.testing.assert_close(reader(td), total(td))
+        assert td.is_locked
+    actor = _actor(backend)
+    writer = backend.wrap(actor, warmup=1)
+    td = _obs_td(backend, action=torch.zeros(8, 2, device=backend.device)).lock_()
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="Cannot modify locked TensorDict") as eager:
+            actor(td)
+        for _ in range(2):  # eager refuses to write into a locked TensorDict: so does the wrapper
+            with pytest.raises(RuntimeError, match=re.escape(str(eager.value))):
+                writer(td)
+
+
+def _stochastic_policy(backend: Backend) -> ProbabilisticTensorDictSequential:
+    net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 4)).to(backend.device)
+
+    def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loc, scale = x.chunk(2, -1)
+        return loc, nn.functional.softplus(scale) + 1e-3
+
+    return ProbabilisticTensorDictSequential(
+        TensorDictModule(
+            lambda x: split(net(x)), in_keys=["observation"], out_keys=["loc", "scale"]
+        ),
+        ProbabilisticTensorDictModule(
+            in_keys=["loc", "scale"],
+            out_keys=["action"],
+            distribution_class=torch.distributions.Normal,
+        ),
+    )
+
+
+@torch.no_grad()
+def test_one_graph_per_interaction_type(backend: Backend) -> None:
+    policy = _stochastic_policy(backend)
+    graphed = backend.wrap(policy, warmup=2)
+    td = _obs_td(backend)
+    with set_interaction_type(InteractionType.RANDOM):
+        samples = [graphed(td.clone())["action"] for _ in range(4)]
+        assert graphed.is_captured
+    assert not torch.allclose(samples[-1], samples[-2])  # each replay draws new noise
+    with set_interaction_type(InteractionType.DETERMINISTIC):
+        assert not graphed.is_captured  # a graph of its own, warmed up and captured anew
+        for _ in range(4):
+            mode = graphed(td.clone())["action"]
+            torch.testing.assert_close(mode, policy(td.clone())["action"])
+    with set_interaction_type(InteractionType.RANDOM):
+        assert graphed.is_captured and graphed.counter == 2  # the first graph is kept
+        out = graphed(td.clone())["action"]
+        assert not torch.allclose(out, mode)
+
+
+def test_tensordict_docs_example_with_the_import_swapped(backend: Backend) -> None:
+    # The example of tensordict.nn.CudaGraphModule's docstring, device and backend aside.
+    def func(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    func = backend.wrap(func)
+    x = torch.rand((), device=backend.device)
+    for _ in range(3):
+        out = func(x)
+        assert isinstance(out, torch.Tensor)
+        assert out == x + 1
+    func = TensorDictModule(lambda x: x + 1, in_keys=["x"], out_keys=["y"])
+    func = backend.wrap(func)
+    for _ in range(3):
+        y = func(x=x)
+        assert y == x + 1
+        td = TensorDict(x=x)
+        td = func(td)
+        assert td["y"] == x + 1
+
+
+def test_torchrl_style_update_step(backend: Backend) -> None:
+    torch.manual_seed(1)
+    value = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1)).to(backend.device)
+    twin = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1)).to(backend.device)
+    twin.load_state_dict(value.state_dict())
+
+    def make_update(net: nn.Module) -> Any:
+        opt = torch.optim.Adam(
+            net.parameters(),
+            lr=torch.tensor(1e-2, device=backend.device),
+            capturable=backend.name == "cuda",
+        )
+
+        def update(td: TensorDict) -> TensorDict:
+            opt.zero_grad(set_to_none=False)
+            loss = (net(td["obs"]) - td["target"]).pow(2).mean()
+            loss.backward()
+            opt.step()
+            return TensorDict(loss=loss.detach())
+
+        return update
+
+    graphed = backend.wrap(make_update(value), warmup=2)
+    eager = make_update(twin)
+    for _ in range(6):
+        td = TensorDict(obs=backend.randn(32, 3), target=backend.randn(32, 1), batch_size=[32])
+        torch.testing.assert_close(graphed(td)["loss"], eager(td)["loss"])
+    for p, q in zip(value.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+
+
+def test_calling_with_a_tensor_in_tensordict_mode_is_refused(backend: Backend) -> None:
+    graphed = backend.wrap(lambda td: td, in_keys=[], out_keys=[])
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "call it with a TensorDict, or with keyword tensors named by its in_keys []; got Tensor."
+        ),
+    ):
+        graphed(backend.randn(3))
