@@ -189,10 +189,7 @@ def test_recurrent_state_written_under_an_input_key(backend: Backend) -> None:
         tensordict["obs"].add_(1)  # and updates an input in place
         return tensordict
 
-    module = TensorDictModule(cell, in_keys=["obs", "hidden"], out_keys=["hidden", "out"])
-    # TensorDictModule would call cell with tensors; wrap the raw TD function instead.
-    module = cell
-    graphed = backend.wrap(module, warmup=2, in_keys=["obs", "hidden"], out_keys=["hidden", "out"])
+    graphed = backend.wrap(cell, warmup=2, in_keys=["obs", "hidden"], out_keys=["hidden", "out"])
     td = TensorDict(
         obs=backend.randn(4, 3), hidden=torch.zeros(4, 1, device=backend.device), batch_size=[4]
     )
