@@ -70,6 +70,10 @@ class CudaBackend:
         # deallocation is illegal while a stream captures (pytorch#161037): hold it off.
         gc_was_enabled = gc.isenabled()
         gc.disable()
+        # torch.distributions checks its arguments with a host sync, which no graph can
+        # capture; the eager warm-up and capturing calls have checked them already.
+        validate_args = torch.distributions.Distribution._validate_args
+        torch.distributions.Distribution.set_default_validate_args(False)
         try:
             with torch.cuda.stream(self._capture_stream):
                 graph.capture_begin(pool=self.pool, capture_error_mode=self.capture_error_mode)
@@ -85,6 +89,7 @@ class CudaBackend:
                     warnings.filterwarnings("ignore", "The CUDA Graph is empty")
                     graph.capture_end()
         finally:
+            torch.distributions.Distribution.set_default_validate_args(validate_args)
             if gc_was_enabled:
                 gc.enable()
         return graph, out

@@ -152,7 +152,7 @@ _CAPTURE_CAUSES = (
         "`.item()`, `.tolist()`, `.cpu()`, `print()` of a CUDA tensor, `bool()` or an `if` on a "
         "CUDA tensor, `torch.cuda.synchronize()`, boolean-mask indexing or `nonzero()`, or "
         "a copy between CUDA and pageable CPU memory (`torch.tensor([...], device='cuda')`, "
-        "`.to('cpu')`). "
+        "`.to('cpu')`), a `torch.distributions` object built with `validate_args=True`. "
         "Move such code out of the function, or use tensor ops (`torch.where`) instead.",
     ),
     (
