@@ -29,19 +29,24 @@ class Graph(Protocol):
 
 
 class Backend(Protocol):
+    """Runs warm-up calls, and records a function into a graph without running its effects."""
+
     device: torch.device
-    executes_on_capture: bool
-    """Whether ``capture`` also runs the function (the emulation) or only records it (CUDA)."""
 
     def warmup(self, fn: Callable[[], T]) -> T: ...
 
-    def capture(self, fn: Callable[[], T]) -> tuple[Graph, T]: ...
+    def capture(self, fn: Callable[[], T], like: T) -> tuple[Graph, T]:
+        """Record ``fn``; return the graph and its static outputs, shaped as ``like``.
+
+        ``like`` is a result of ``fn`` from an eager run (the backend may build its static
+        outputs from it). Recording runs none of the function's effects: the first replay
+        does.
+        """
+        ...
 
 
 class CudaBackend:
     """Warm-up on a side stream, capture on a capture stream, one memory pool per graph."""
-
-    executes_on_capture = False
 
     def __init__(self, device: torch.device, pool: Any = None, capture_error_mode: str = "global"):
         self.device = device
@@ -61,7 +66,7 @@ class CudaBackend:
         current.wait_stream(self._side_stream)
         return out
 
-    def capture(self, fn: Callable[[], T]) -> tuple[Graph, T]:
+    def capture(self, fn: Callable[[], T], like: T) -> tuple[Graph, T]:
         # No work queued before the capture may still be running when it begins: in the
         # "global" error mode another stream's work would make the capture fail.
         torch.cuda.synchronize(self.device)
@@ -119,14 +124,12 @@ class CudaBackend:
 class EmulatedBackend:
     """A CPU stand-in for CUDA graphs with the same memory contract.
 
-    ``capture`` runs the function once on the static inputs and keeps its output tensors as
-    the graph's static outputs; ``replay`` runs it again on the same static inputs and
-    copies the new results into those same tensors, as a CUDA graph overwrites its output
-    memory. Like a CUDA graph, a replay sees the current contents of the static inputs and
-    of every tensor the function reads, and repeats the function's in-place updates.
+    ``capture`` records the function without running it, and allocates static outputs shaped
+    as an eager result; each ``replay`` runs the function on the same static inputs and
+    copies its results into those same tensors, as a CUDA graph overwrites its output
+    memory. Like a CUDA graph, a replay sees the current contents of the static inputs and of
+    every tensor the function reads, and repeats the function's in-place updates.
     """
-
-    executes_on_capture = True
 
     def __init__(self, device: torch.device | None = None):
         self.device = torch.device("cpu") if device is None else device
@@ -134,16 +137,22 @@ class EmulatedBackend:
     def warmup(self, fn: Callable[[], T]) -> T:
         return fn()
 
-    def capture(self, fn: Callable[[], T]) -> tuple[Graph, T]:
-        out = fn()
-        return _EmulatedGraph(fn, out), out
+    def capture(self, fn: Callable[[], T], like: T) -> tuple[Graph, T]:
+        leaves, spec = _tree.flatten(like)
+        with torch.no_grad():
+            leaves = [
+                torch.empty_like(leaf) if isinstance(leaf, torch.Tensor) else leaf
+                for leaf in leaves
+            ]
+        static: T = _tree.unflatten(spec, leaves)
+        return _EmulatedGraph(fn, static), static
 
 
 class _EmulatedGraph:
-    def __init__(self, fn: Callable[[], Any], out: Any):
+    def __init__(self, fn: Callable[[], Any], static: Any):
         self._fn = fn
         self._grad_enabled = torch.is_grad_enabled()
-        leaves, self._spec = _tree.flatten(out)
+        leaves, self._spec = _tree.flatten(static)
         self._static = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         self._meta = [(t.shape, t.dtype) for t in self._static]
 
@@ -161,4 +170,4 @@ class _EmulatedGraph:
             )
         if new:
             with torch.no_grad():
-                torch._foreach_copy_(self._static, new)
+                torch._foreach_copy_(self._static, [t.detach() for t in new])

@@ -78,6 +78,14 @@ def requires_grad(name: str, path: str) -> RuntimeError:
     )
 
 
+def no_longer_requires_grad(name: str, path: str) -> RuntimeError:
+    return RuntimeError(
+        f"{name} was captured for autograd with {path} requiring grad, but received a tensor "
+        "that does not: the graph's backward computes a gradient for it. Pass a tensor that "
+        "requires grad, as at capture, or wrap the call with its own CudaGraphModule."
+    )
+
+
 def outputs_require_grad(name: str, path: str) -> RuntimeError:
     return RuntimeError(
         f"{name} captured an output that requires grad ({path}), which this version cannot "

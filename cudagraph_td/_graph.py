@@ -21,13 +21,13 @@ from ._signature import Signature, validate
 class Outputs:
     """How to turn the graph's static outputs into a result in fresh memory."""
 
-    def __init__(self, name: str, out: Any, device: torch.device):
+    def __init__(self, name: str, out: Any, device: torch.device, *, allow_grad: bool = False):
         leaves, self.spec = _tree.flatten(out)
         paths = _tree.leaf_paths(out, root="output")
         self.tensor_index = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         self.static = [leaves[i] for i in self.tensor_index]
         for i, t in zip(self.tensor_index, self.static, strict=True):
-            if t.requires_grad:
+            if t.requires_grad and not allow_grad:
                 raise _errors.outputs_require_grad(name, paths[i])
             if t.device != device:
                 raise _errors.cpu_output(name, paths[i], t.device)
@@ -39,11 +39,14 @@ class Outputs:
         """The result of the last replay, in memory that no later replay writes."""
         if self.single_tensor:  # the most common result, without a tree to rebuild
             return self.static[0].clone()
-        clones = [t.clone() for t in self.static]
+        return self.rebuild([t.clone() for t in self.static])
+
+    def rebuild(self, tensors: list[torch.Tensor]) -> Any:
+        """The result tree, with ``tensors`` in place of the static output tensors."""
         if self.all_tensors:
-            return optree.tree_unflatten(self.spec, clones)
+            return optree.tree_unflatten(self.spec, tensors)
         leaves = list(self.template)
-        for i, t in zip(self.tensor_index, clones, strict=True):
+        for i, t in zip(self.tensor_index, tensors, strict=True):
             leaves[i] = t
         return optree.tree_unflatten(self.spec, leaves)
 
@@ -56,28 +59,13 @@ class CapturedCall:
         self.graph = graph
         self.outputs = outputs
         # Decided here so that the replay reads attributes instead of recomputing them.
-        self._spec = signature.spec
-        self._tensor_index = signature.tensor_index
-        self._all_tensors = not signature.const_index
-        self._expected = signature.expected
+        self._match = signature.match
         self._static_inputs = signature.static_inputs
         self._mutated = mutated
         self._mutated_static = [signature.static_inputs[i] for i in mutated]
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        tree: Any = (args, kwargs)
-        leaves, spec = optree.tree_flatten(tree, namespace=_tree.NAMESPACE)
-        if spec != self._spec:
-            raise self.signature.diagnose(args, kwargs)
-        tensors = leaves if self._all_tensors else [leaves[i] for i in self._tensor_index]
-        try:
-            same = [
-                (t.shape, t.dtype, t.device, t.requires_grad) for t in tensors
-            ] == self._expected
-        except AttributeError:  # a non-tensor where the capture had a tensor
-            same = False
-        if not same or not (self._all_tensors or self.signature.consts_match(leaves)):
-            raise self.signature.diagnose(args, kwargs)
+        tensors = self._match(args, kwargs)
         if tensors:
             torch._foreach_copy_(self._static_inputs, tensors)
         self.graph.replay()
@@ -88,44 +76,65 @@ class CapturedCall:
 
 def capture(
     name: str,
-    module: Callable[..., Any],
+    fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     backend: Backend,
-) -> tuple[CapturedCall, Any]:
-    """Capture ``module(*args, **kwargs)`` and return the replayable call and this call's result.
+) -> tuple[Callable[[tuple[Any, ...], dict[str, Any]], Any], Any]:
+    """Capture ``fn(*args, **kwargs)``; return the replayable call and this call's result.
 
-    The call's effects happen once, as in eager mode. On CUDA the result comes from an eager
-    run on the caller's inputs, and the capture that follows only records kernels. The
-    emulation's capture runs the function, so its result is the capture's own output.
+    The call runs ``fn`` eagerly once, on the caller's inputs, for its result and its
+    effects; the capture that follows only records kernels. When grad mode is on and the
+    result requires grad, the graph is captured for autograd (forward and backward).
     """
-    signature = Signature(name, args, kwargs, backend.device)
-    static = signature.static_inputs
-    versions = [t._version for t in static]
+    grad = torch.is_grad_enabled()
+    signature = Signature(name, args, kwargs, backend.device, allow_grad=grad)
+    inputs = signature.tensors(args, kwargs)
+    versions = [t._version for t in inputs]
+    try:
+        result = backend.warmup(lambda: fn(*args, **kwargs))
+    except Exception as err:
+        raise _errors.capture_failure(name, "run the capturing call", err) from err
+    # The function wrote into these inputs (their version counters moved): each replay
+    # copies them back to the caller's tensors.
+    mutated = [i for i, (t, v) in enumerate(zip(inputs, versions, strict=True)) if t._version != v]
+    if grad and _requires_grad(result):
+        from ._autograd import capture_differentiable
+
+        call = capture_differentiable(name, fn, signature, backend, result, inputs, mutated)
+        return call, result
+    if any(t.requires_grad for t in signature.static_inputs):
+        paths = _tensor_paths(signature.static_args, signature.static_kwargs)
+        path = next(
+            p for t, (p, _) in zip(signature.static_inputs, paths, strict=True) if t.requires_grad
+        )
+        raise _errors.requires_grad(name, path)
 
     def run_static() -> Any:
         # Fresh containers at each run, so that keys written into an input TensorDict by one
         # (emulated) run are not inputs of the next, as on CUDA where the function runs once.
         static_args, static_kwargs = signature.static_tree()
-        return module(*static_args, **static_kwargs)
+        return fn(*static_args, **static_kwargs)
 
     try:
-        if not backend.executes_on_capture:
-            result = backend.warmup(lambda: module(*args, **kwargs))
-        graph, static_out = backend.capture(run_static)
+        graph, static_out = backend.capture(run_static, like=result)
     except Exception as err:
         raise _errors.capture_failure(name, "capture the graph", err) from err
     outputs = Outputs(name, static_out, backend.device)
-    if backend.executes_on_capture:
-        result = outputs.fresh()
-    # The function wrote into these inputs (their version counters moved): each replay
-    # copies them back to the caller's tensors.
-    mutated = [i for i, (t, v) in enumerate(zip(static, versions, strict=True)) if t._version != v]
-    if backend.executes_on_capture and mutated:
-        user_tensors = _input_tensors(signature, args, kwargs)
-        with torch.no_grad():
-            torch._foreach_copy_([user_tensors[i] for i in mutated], [static[i] for i in mutated])
     return CapturedCall(signature, graph, outputs, mutated), result
+
+
+def _requires_grad(tree: Any) -> bool:
+    leaves, _ = _tree.flatten(tree)
+    return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves)
+
+
+def _tensor_paths(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
+    return [
+        (_tree.format_path(path), leaf)
+        for path, leaf in _tree.walk_leaves((args, kwargs))
+        if isinstance(leaf, torch.Tensor)
+    ]
 
 
 class GraphRunner:
@@ -152,7 +161,7 @@ class GraphRunner:
         self.make_backend = make_backend
         self.backend: Backend | None = None
         self.counter = 0
-        self.captured: CapturedCall | None = None
+        self.captured: Callable[[tuple[Any, ...], dict[str, Any]], Any] | None = None
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         captured = self.captured
@@ -167,7 +176,7 @@ class GraphRunner:
         backend = self.backend or self.make_backend(args, kwargs)
         self.backend = backend
         if self.counter < self.warmup - 1:
-            validate(self.name, args, kwargs, backend.device)
+            validate(self.name, args, kwargs, backend.device, allow_grad=torch.is_grad_enabled())
             stage = f"run warm-up call {self.counter + 1} of {self.warmup - 1}"
             try:
                 result = backend.warmup(lambda: self.fn(*args, **kwargs))
@@ -178,10 +187,3 @@ class GraphRunner:
         self.captured, result = capture(self.name, self.fn, args, kwargs, backend)
         self.counter += 1
         return result
-
-
-def _input_tensors(
-    signature: Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> list[torch.Tensor]:
-    leaves, _ = _tree.flatten((args, kwargs))
-    return [leaves[i] for i in signature.tensor_index]

@@ -140,14 +140,17 @@ class CudaGraphModule:
             self._td_call = _tdmodule.TensorDictCall(
                 name, self.in_keys, self.out_keys, current_runner
             )
-        # One graph per tensordict interaction type: a stochastic policy captured while
-        # sampling must not replay its samples when called for its mode, and the reverse.
-        self._runners: dict[Any, _graph.GraphRunner] = {}
+        # One graph per mode that changes what the function computes: the tensordict
+        # interaction type (a stochastic policy captured while sampling must not replay its
+        # samples when called for its mode) and grad mode (a graph captured for autograd
+        # under grad mode, a plain one under no_grad).
+        self._runners: dict[tuple[Any, bool], _graph.GraphRunner] = {}
         self._interaction = interaction_type()
+        self._grad = torch.is_grad_enabled()
         self._runner = self._new_runner()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if interaction_type() is not self._interaction:
+        if interaction_type() is not self._interaction or torch.is_grad_enabled() is not self._grad:
             self._switch_runner()
         if self._td_call is not None:
             return self._td_call.call(*args, **kwargs)
@@ -160,16 +163,16 @@ class CudaGraphModule:
                 _make_backend, self._backend_name, self.device, self._pool, self._capture_error_mode
             )
         runner = _graph.GraphRunner(type(self).__name__, self._fn, self._warmup, make_backend)
-        self._runners[self._interaction] = runner
+        self._runners[self._interaction, self._grad] = runner
         return runner
 
     def _switch_runner(self) -> None:
-        self._interaction = interaction_type()
-        runner = self._runners.get(self._interaction)
+        self._interaction, self._grad = interaction_type(), torch.is_grad_enabled()
+        runner = self._runners.get((self._interaction, self._grad))
         self._runner = runner if runner is not None else self._new_runner()
 
     def _current_runner(self) -> _graph.GraphRunner | None:
-        return self._runners.get(interaction_type())
+        return self._runners.get((interaction_type(), torch.is_grad_enabled()))
 
     @property
     def counter(self) -> int:
@@ -209,13 +212,18 @@ class CudaGraphModule:
             return None
         return load(state_dict, *args, **kwargs)
 
+    def _stage(self, runner: _graph.GraphRunner) -> str:
+        if runner.captured is not None:
+            return "captured: calls replay the graph"
+        return f"warming up: {runner.counter} of {self._warmup - 1} warm-up calls done"
+
     def __repr__(self) -> str:
         if self._backend_name == "eager":
             state = "eager (no CUDA)"
-        elif self.is_captured:
-            state = "captured: calls replay the graph"
-        else:
-            state = f"warming up: {self.counter} of {self._warmup - 1} warm-up calls done"
+        else:  # one entry per mode the wrapper was called in, with its graph's stage
+            state = "; ".join(
+                f"{_mode_name(key)}: {self._stage(runner)}" for key, runner in self._runners.items()
+            )
         fields = {
             "module": repr(self.module).replace("\n", "\n    "),
             "warmup": self._warmup,
@@ -226,6 +234,12 @@ class CudaGraphModule:
         }
         body = ",\n".join(f"    {key}={value}" for key, value in fields.items())
         return f"{type(self).__name__}(\n{body}\n)"
+
+
+def _mode_name(key: tuple[Any, bool]) -> str:
+    interaction, grad = key
+    name = "grad" if grad else "no_grad"
+    return name if interaction is None else f"{name}, interaction {interaction}"
 
 
 def _make_backend(

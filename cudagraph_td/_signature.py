@@ -34,15 +34,23 @@ def _comparable(value: Any) -> bool:
 
 
 def validate(
-    name: str, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
+    name: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device: torch.device,
+    *,
+    allow_grad: bool = False,
 ) -> None:
-    """Check that a call can be warmed up or captured on ``device``, before running it."""
+    """Check that a call can be warmed up or captured on ``device``, before running it.
+
+    ``allow_grad`` accepts inputs that require grad, for a graph captured for autograd.
+    """
     for path, leaf in _tree.walk_leaves((args, kwargs)):
         if isinstance(leaf, torch.Tensor):
             if leaf.device != device:
                 where = _tree.format_path(path)
                 raise _errors.wrong_device_at_capture(name, where, device, leaf.device)
-            if leaf.requires_grad:
+            if leaf.requires_grad and not allow_grad:
                 raise _errors.requires_grad(name, _tree.format_path(path))
         elif not _comparable(leaf):
             raise _errors.uncomparable_constant(name, _tree.format_path(path), leaf)
@@ -52,9 +60,15 @@ class Signature:
     """The inputs of a captured call, and the static buffers that the graph reads."""
 
     def __init__(
-        self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
+        self,
+        name: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        device: torch.device,
+        *,
+        allow_grad: bool = False,
     ):
-        validate(name, args, kwargs, device)
+        validate(name, args, kwargs, device, allow_grad=allow_grad)
         self.name = name
         leaves, self.spec = _tree.flatten((args, kwargs))
         self.tensor_index = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
@@ -64,9 +78,17 @@ class Signature:
         self.expected = [tensor_meta(leaves[i]) for i in self.tensor_index]
         self.consts = [leaves[i] for i in self.const_index]
         self.const_types = [type(c) for c in self.consts]
+        self.all_tensors = not self.const_index
+        self.input_tensors = [leaves[i] for i in self.tensor_index]
         # The graph's own copies of the tensor inputs: replays copy new inputs into them.
-        with torch.no_grad():
-            self.static_inputs = [leaves[i].clone() for i in self.tensor_index]
+        # They are leaves that require grad where the inputs do (a graph captured for
+        # autograd differentiates with respect to them), and never inference tensors, so
+        # that a graph captured under inference_mode can be fed outside it.
+        with torch.no_grad(), torch.inference_mode(False):
+            self.static_inputs = [
+                t.detach().clone().requires_grad_(t.requires_grad) for t in self.input_tensors
+            ]
+        del self.input_tensors  # the capture's inputs are the caller's: keep no reference
         self._static_leaves = list(leaves)
         for i, static in zip(self.tensor_index, self.static_inputs, strict=True):
             self._static_leaves[i] = static
@@ -77,6 +99,31 @@ class Signature:
     def static_tree(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """New containers (tuples, dicts, TensorDicts) around the graph's static input tensors."""
         return _tree.unflatten(self.spec, self._static_leaves)  # type: ignore[no-any-return]
+
+    def match(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        """The tensor leaves of a call, checked against the capture (the replay's check).
+
+        Raises:
+            ValueError, KeyError, RuntimeError: The call differs from the capture; the error
+                names the leaf (see :meth:`diagnose`).
+        """
+        tree: Any = (args, kwargs)
+        leaves, spec = optree.tree_flatten(tree, namespace=_tree.NAMESPACE)
+        if spec != self.spec:
+            raise self.diagnose(args, kwargs)
+        tensors = leaves if self.all_tensors else [leaves[i] for i in self.tensor_index]
+        try:
+            same = [(t.shape, t.dtype, t.device, t.requires_grad) for t in tensors] == self.expected
+        except AttributeError:  # a non-tensor where the capture had a tensor
+            same = False
+        if not same or not (self.all_tensors or self.consts_match(leaves)):
+            raise self.diagnose(args, kwargs)
+        return tensors
+
+    def tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        """The tensor leaves of a call of the captured structure, unchecked."""
+        leaves, _ = _tree.flatten((args, kwargs))
+        return [leaves[i] for i in self.tensor_index]
 
     def consts_match(self, leaves: list[Any]) -> bool:
         """Whether the non-tensor leaves of a call are those of the capture (by type and value)."""
@@ -171,6 +218,8 @@ class Signature:
             return _errors.dtype_mismatch(self.name, where, old.dtype, new.dtype)
         if new.shape != old.shape:
             return _errors.shape_mismatch(self.name, where, old.shape, new.shape)
-        if new.requires_grad:
+        if new.requires_grad and not old.requires_grad:
             return _errors.requires_grad(self.name, where)
+        if old.requires_grad and not new.requires_grad:
+            return _errors.no_longer_requires_grad(self.name, where)
         return None

@@ -42,7 +42,7 @@ def test_user_exception_is_explained_and_chained(backend: Backend, warmup: int) 
     fn = Flaky(_raise_value_error)
     graphed = backend.wrap(fn, warmup=warmup)
     x = backend.randn(3)
-    stage = "capture the graph" if warmup == 1 else "run warm-up call 1 of 1"
+    stage = "run the capturing call" if warmup == 1 else "run warm-up call 1 of 1"
     with pytest.raises(RuntimeError, match=re.escape(f"CudaGraphModule could not {stage}")) as info:
         graphed(x)
     assert isinstance(info.value.__cause__, ValueError)

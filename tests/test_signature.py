@@ -203,6 +203,17 @@ def test_input_that_requires_grad(backend: Backend) -> None:
 
 def test_input_that_requires_grad_at_capture(backend: Backend) -> None:
     graphed = backend.wrap(lambda x: x * 2, warmup=2)
+    with (
+        torch.no_grad(),
+        pytest.raises(RuntimeError, match=re.escape("args[0], a tensor that requires grad")),
+    ):
+        graphed(backend.randn(3, requires_grad=True))
+
+
+def test_input_that_requires_grad_with_detached_outputs(backend: Backend) -> None:
+    # Grad mode is on, but the function returns detached values: no graph for autograd, so
+    # an input that requires grad would silently get no gradient.
+    graphed = backend.wrap(lambda x: (x * 2).detach(), warmup=1)
     with pytest.raises(RuntimeError, match=re.escape("args[0], a tensor that requires grad")):
         graphed(backend.randn(3, requires_grad=True))
 

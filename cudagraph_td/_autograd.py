@@ -1,0 +1,301 @@
+"""The autograd core: a forward graph and its backward graph inside one autograd node.
+
+A differentiable call is captured twice: its forward, and the backward of that forward
+(``torch.autograd.grad`` of its outputs that require grad with respect to its inputs that
+require grad and to the leaves it reads, such as parameters). :class:`_GraphedFunction`
+replays the first in its ``forward`` and the second in its ``backward``, so that autograd
+sees one node whose gradients equal the eager ones. Gradients are returned in fresh memory:
+two backward passes accumulate as in eager mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from . import _errors, _tree
+from ._backend import Backend, Graph
+from ._graph import Outputs
+from ._signature import Signature
+
+
+def _leaves_requiring_grad(
+    outputs: Sequence[torch.Tensor], stop: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """The leaf tensors that require grad and that ``outputs`` depend on, except ``stop``.
+
+    The walk follows the autograd graph from the outputs to its ``AccumulateGrad`` nodes; it
+    does not go past the nodes of the tensors in ``stop`` (the call's own inputs).
+    """
+    stop_ids = {id(t) for t in stop}
+    stop_nodes = {t.grad_fn for t in stop if t.grad_fn is not None}
+    found: dict[int, torch.Tensor] = {}
+    seen: set[Any] = set()
+    pending: list[Any] = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    pending += [o for o in outputs if o.grad_fn is None and o.requires_grad]  # leaf outputs
+    while pending:
+        node = pending.pop()
+        if isinstance(node, torch.Tensor):
+            if id(node) not in stop_ids:
+                found.setdefault(id(node), node)
+            continue
+        if node in seen or node in stop_nodes:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):  # an AccumulateGrad node: a leaf
+            if id(variable) not in stop_ids:
+                found.setdefault(id(variable), variable)
+            continue
+        pending.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+    return list(found.values())
+
+
+class _GraphedFunction(torch.autograd.Function):
+    """``forward`` replays the forward graph, ``backward`` the backward graph."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, call: DifferentiableCall, *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        n = call.n_inputs
+        if n:
+            torch._foreach_copy_(call.static_inputs, inputs[:n])
+        call.forward_graph.replay()
+        call.generation += 1
+        ctx.call, ctx.generation = call, call.generation
+        outputs = tuple(t.detach().clone() for t in call.static_outputs)
+        if call.non_differentiable:
+            ctx.mark_non_differentiable(*(outputs[i] for i in call.non_differentiable))
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        call: DifferentiableCall = ctx.call
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{call.name}: a double backward (`create_graph=True`, `torch.autograd.grad` of "
+                "a gradient) through a graphed callable is not supported: its backward is a "
+                "captured graph, which autograd cannot differentiate. Compute such gradients "
+                "eagerly."
+            )
+        if ctx.generation != call.generation:
+            raise RuntimeError(
+                f"{call.name}: backward of an earlier call, after a later call of the same "
+                "graphed callable: the graph keeps the activations of the last call only, so "
+                "this gradient would be wrong. Run each call's backward before the next call "
+                "(graphs that share a pool: forwards in capture order, backwards in reverse)."
+            )
+        with torch.no_grad():
+            torch._foreach_copy_(call.static_grad_outputs, [grads[i] for i in call.differentiable])
+        call.backward_graph.replay()
+        # Fresh memory: gradients accumulated over two backward passes must not alias.
+        fresh = [None if g is None else g.clone() for g in call.static_grad_inputs]
+        return (None, *(None if slot < 0 else fresh[slot] for slot in call.grad_slots))
+
+
+class DifferentiableCall:
+    """A call captured for autograd: calling it replays the forward inside an autograd node."""
+
+    def __init__(self, name: str, signature: Signature, mutated: list[int]):
+        self.name = name
+        self.signature = signature
+        self.n_inputs = len(signature.static_inputs)
+        self.static_inputs = signature.static_inputs
+        self.generation = 0
+        self._match = signature.match
+        self._mutated = mutated
+        # Filled in by ``Capture``:
+        self.params: list[torch.Tensor] = []
+        self.forward_graph: Graph
+        self.backward_graph: Graph
+        self.outputs: Outputs
+        self.static_outputs: list[torch.Tensor] = []
+        self.differentiable: list[int] = []
+        self.non_differentiable: list[int] = []
+        self.static_grad_outputs: list[torch.Tensor] = []
+        self.static_grad_inputs: tuple[torch.Tensor | None, ...] = ()
+        self.grad_slots: list[int] = []
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        tensors = self._match(args, kwargs)
+        outputs = _GraphedFunction.apply(self, *tensors, *self.params)
+        if self._mutated:  # in-place updates of inputs reach the caller, as in eager
+            with torch.no_grad():
+                torch._foreach_copy_(
+                    [tensors[i] for i in self._mutated],
+                    [self.static_inputs[i] for i in self._mutated],
+                )
+        return self.outputs.rebuild(list(outputs))
+
+
+def _differentiable_leaves(tree: Any) -> list[torch.Tensor]:
+    leaves, _ = _tree.flatten(tree)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+
+
+class Capture:
+    """Captures one callable for autograd: warm-up, then its forward, then its backward graph.
+
+    Several captures that share a memory pool record their forwards in order and their
+    backwards in reverse order, as their replays will run.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        signature: Signature,
+        backend: Backend,
+        mutated: list[int],
+        allow_unused_input: bool,
+    ):
+        self.name = name
+        self.fn = fn
+        self.backend = backend
+        self.signature = signature
+        self.allow_unused_input = allow_unused_input
+        self.call = DifferentiableCall(name, signature, mutated)
+        self.grad_inputs = [i for i, t in enumerate(signature.static_inputs) if t.requires_grad]
+        self.example: Any = None
+        self.example_grads: tuple[torch.Tensor | None, ...] | None = None
+        self._params: list[torch.Tensor] | None = None
+        self._latest: Any = None  # the outputs of the last forward run, for the backward
+
+    @property
+    def surface(self) -> list[torch.Tensor]:
+        """What the backward differentiates with respect to: inputs, then other leaves."""
+        assert self._params is not None
+        return [self.signature.static_inputs[i] for i in self.grad_inputs] + self._params
+
+    def _discover_params(self, outputs: Any, inputs: Sequence[torch.Tensor]) -> None:
+        # The leaves that the outputs depend on, other than the call's inputs: the module's
+        # parameters, or any tensor a function reads from its enclosing scope.
+        if self._params is None:
+            self._params = _leaves_requiring_grad(_differentiable_leaves(outputs), inputs)
+            self.call.params = self._params
+
+    def _run_forward(self) -> Any:
+        args, kwargs = self.signature.static_tree()
+        self._latest = self.fn(*args, **kwargs)
+        return self._latest
+
+    def _run_backward(
+        self, grad_outputs: Sequence[torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor | None, ...]:
+        outputs = _differentiable_leaves(self._latest)
+        if grad_outputs is None:
+            grad_outputs = [torch.ones_like(o) for o in outputs]
+        # retain_graph: the emulation and a user's `retain_graph=True` may run it again.
+        grads = torch.autograd.grad(
+            outputs, self.surface, grad_outputs=grad_outputs, retain_graph=True, allow_unused=True
+        )
+        return tuple(grads)
+
+    def warmup(self, iterations: int) -> None:
+        """Run forward and backward eagerly on the static inputs, before the capture."""
+        for _ in range(iterations):
+            self.example = self.backend.warmup(self._run_forward)
+            self._discover_params(self.example, self.signature.static_inputs)
+            self.example_grads = self.backend.warmup(self._run_backward)
+        self._latest = None
+        self._check_unused()
+
+    def warmup_backward(self, example: Any, inputs: Sequence[torch.Tensor]) -> None:
+        """Run the backward of an eager result on ``inputs`` (the caller's), before the capture.
+
+        The result keeps its autograd graph: the caller may still run its backward.
+        """
+        self.example = example
+        self._discover_params(example, inputs)
+        assert self._params is not None
+        outputs = _differentiable_leaves(example)
+        surface = [inputs[i] for i in self.grad_inputs] + self._params
+        grads = self.backend.warmup(
+            lambda: torch.autograd.grad(
+                outputs,
+                surface,
+                grad_outputs=[torch.ones_like(o) for o in outputs],
+                retain_graph=True,
+                allow_unused=True,
+            )
+        )
+        self.example_grads = tuple(grads)
+        self._check_unused()
+
+    def _check_unused(self) -> None:
+        if self.allow_unused_input or self.example_grads is None:
+            return
+        paths = [
+            _tree.format_path(path)
+            for path, leaf in _tree.walk_leaves(self.signature.static_tree())
+            if isinstance(leaf, torch.Tensor)
+        ]
+        for slot, i in enumerate(self.grad_inputs):
+            if self.example_grads[slot] is None:
+                raise ValueError(
+                    f"{self.name}: the input {paths[i]} requires grad, but the outputs do not "
+                    "depend on it. Pass `allow_unused_input=True`, or an input that does not "
+                    "require grad."
+                )
+
+    def capture_forward(self) -> None:
+        call = self.call
+        try:
+            call.forward_graph, static_out = self.backend.capture(
+                self._run_forward, like=self.example
+            )
+        except Exception as err:
+            raise _errors.capture_failure(self.name, "capture the forward graph", err) from err
+        # On CUDA the recorded outputs carry the autograd graph; the emulation's are buffers.
+        source = self.example if self.example is not None else static_out
+        self._discover_params(source, self.signature.static_inputs)
+        requires = [
+            leaf.requires_grad
+            for leaf in _tree.flatten(source)[0]
+            if isinstance(leaf, torch.Tensor)
+        ]
+        call.outputs = Outputs(self.name, static_out, self.backend.device, allow_grad=True)
+        call.static_outputs = call.outputs.static
+        call.differentiable = [i for i, r in enumerate(requires) if r]
+        call.non_differentiable = [i for i, r in enumerate(requires) if not r]
+
+    def capture_backward(self) -> None:
+        call = self.call
+        with torch.no_grad():
+            call.static_grad_outputs = [
+                torch.empty_like(call.static_outputs[i]) for i in call.differentiable
+            ]
+        try:
+            call.backward_graph, grads = self.backend.capture(
+                lambda: self._run_backward(call.static_grad_outputs),
+                like=self.example_grads,
+            )
+        except Exception as err:
+            raise _errors.capture_failure(self.name, "capture the backward graph", err) from err
+        self._latest = None  # the graph keeps what the backward needs
+        assert grads is not None
+        call.static_grad_inputs = tuple(grads)
+        slots = [-1] * call.n_inputs
+        for slot, i in enumerate(self.grad_inputs):
+            slots[i] = slot
+        call.grad_slots = slots + [len(self.grad_inputs) + k for k in range(len(call.params))]
+
+
+def capture_differentiable(
+    name: str,
+    fn: Callable[..., Any],
+    signature: Signature,
+    backend: Backend,
+    example: Any,
+    inputs: list[torch.Tensor],
+    mutated: list[int],
+) -> DifferentiableCall:
+    """Capture ``fn`` for autograd, from ``example``, its eager result on ``inputs``."""
+    capture = Capture(name, fn, signature, backend, mutated, allow_unused_input=True)
+    capture.warmup_backward(example, inputs)
+    capture.capture_forward()
+    capture.capture_backward()
+    return capture.call
