@@ -1,6 +1,7 @@
 """CUDA graphs made easy and safe for PyTorch and TensorDict users."""
 
+from ._graphed_callables import make_graphed_callables as make_graphed_callables
 from ._module import CudaGraphModule as CudaGraphModule
 from ._version import __version__ as __version__
 
-__all__ = ["CudaGraphModule", "__version__"]
+__all__ = ["CudaGraphModule", "__version__", "make_graphed_callables"]

@@ -142,15 +142,17 @@ class CudaGraphModule:
             )
         # One graph per mode that changes what the function computes: the tensordict
         # interaction type (a stochastic policy captured while sampling must not replay its
-        # samples when called for its mode) and grad mode (a graph captured for autograd
-        # under grad mode, a plain one under no_grad).
-        self._runners: dict[tuple[Any, bool], _graph.GraphRunner] = {}
-        self._interaction = interaction_type()
-        self._grad = torch.is_grad_enabled()
+        # samples when called for its mode), grad mode (a graph captured for autograd under
+        # grad mode, a plain one under no_grad) and a module's training mode (dropout).
+        self._runners: dict[tuple[Any, bool, Any], _graph.GraphRunner] = {}
+        self._key = self._mode()
         self._runner = self._new_runner()
 
+    def _mode(self) -> tuple[Any, bool, Any]:
+        return (interaction_type(), torch.is_grad_enabled(), getattr(self.module, "training", None))
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if interaction_type() is not self._interaction or torch.is_grad_enabled() is not self._grad:
+        if self._mode() != self._key:
             self._switch_runner()
         if self._td_call is not None:
             return self._td_call.call(*args, **kwargs)
@@ -163,16 +165,16 @@ class CudaGraphModule:
                 _make_backend, self._backend_name, self.device, self._pool, self._capture_error_mode
             )
         runner = _graph.GraphRunner(type(self).__name__, self._fn, self._warmup, make_backend)
-        self._runners[self._interaction, self._grad] = runner
+        self._runners[self._key] = runner
         return runner
 
     def _switch_runner(self) -> None:
-        self._interaction, self._grad = interaction_type(), torch.is_grad_enabled()
-        runner = self._runners.get((self._interaction, self._grad))
+        self._key = self._mode()
+        runner = self._runners.get(self._key)
         self._runner = runner if runner is not None else self._new_runner()
 
     def _current_runner(self) -> _graph.GraphRunner | None:
-        return self._runners.get((interaction_type(), torch.is_grad_enabled()))
+        return self._runners.get(self._mode())
 
     @property
     def counter(self) -> int:
@@ -236,10 +238,14 @@ class CudaGraphModule:
         return f"{type(self).__name__}(\n{body}\n)"
 
 
-def _mode_name(key: tuple[Any, bool]) -> str:
-    interaction, grad = key
-    name = "grad" if grad else "no_grad"
-    return name if interaction is None else f"{name}, interaction {interaction}"
+def _mode_name(key: tuple[Any, bool, Any]) -> str:
+    interaction, grad, training = key
+    parts = ["grad" if grad else "no_grad"]
+    if training is not None:
+        parts.append("train" if training else "eval")
+    if interaction is not None:
+        parts.append(f"interaction {interaction}")
+    return ", ".join(parts)
 
 
 def _make_backend(

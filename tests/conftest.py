@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from cudagraph_td import CudaGraphModule
+from cudagraph_td import CudaGraphModule, make_graphed_callables
 
 HAS_CUDA = torch.cuda.is_available()
 NO_CUDA_REASON = "needs a CUDA device (CI has none; run scripts/gpu_check.sh on a GPU machine)"
@@ -30,6 +30,9 @@ class Backend:
 
     def wrap(self, fn: Callable[..., Any], **kwargs: Any) -> CudaGraphModule:
         return CudaGraphModule(fn, backend=self.name, **kwargs)  # type: ignore[arg-type]
+
+    def graph_callables(self, *args: Any, **kwargs: Any) -> Any:
+        return make_graphed_callables(*args, backend=self.name, **kwargs)
 
     def randn(self, *shape: int, **kwargs: Any) -> torch.Tensor:
         return torch.randn(*shape, device=self.device, **kwargs)

@@ -1,0 +1,319 @@
+"""make_graphed_callables and CudaGraphModule under autograd: values and every gradient vs eager."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import re
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+
+from .conftest import Backend
+
+
+def _mlp(backend: Backend, *, dropout: float = 0.0) -> nn.Sequential:
+    layers: list[nn.Module] = [nn.Linear(4, 16), nn.Tanh()]
+    if dropout:
+        layers.append(nn.Dropout(dropout))
+    layers.append(nn.Linear(16, 3))
+    return nn.Sequential(*layers).to(backend.device)
+
+
+def _assert_grads_equal(graphed: nn.Module, eager: nn.Module) -> None:
+    for (name, p), q in zip(graphed.named_parameters(), eager.parameters(), strict=True):
+        if q.grad is None:
+            assert p.grad is None, name
+        else:
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_mlp_outputs_and_gradients_match_eager(backend: Backend) -> None:
+    net = _mlp(backend)
+    twin = copy.deepcopy(net)
+    graphed = backend.graph_callables(net, (backend.randn(8, 4, requires_grad=True),))
+    assert graphed is net  # a module comes back, its forward replaced, as with torch's
+    for _ in range(4):
+        x = backend.randn(8, 4, requires_grad=True)
+        x_twin = x.detach().clone().requires_grad_()
+        for m in (net, twin):
+            m.zero_grad(set_to_none=True)
+        out, expected = graphed(x), twin(x_twin)
+        torch.testing.assert_close(out, expected)
+        (out * expected.detach()).sum().backward()
+        (expected * expected.detach()).sum().backward()
+        torch.testing.assert_close(x.grad, x_twin.grad)
+        _assert_grads_equal(net, twin)
+
+
+def test_gradients_accumulate_as_in_eager(backend: Backend) -> None:
+    # torch's own returns its static gradient buffers (pytorch#181723): two backward passes
+    # then accumulate into aliased memory. Ours are fresh.
+    net = _mlp(backend)
+    twin = copy.deepcopy(net)
+    graphed = backend.graph_callables(net, (backend.randn(8, 4),))
+    for _ in range(3):
+        x = backend.randn(8, 4)
+        graphed(x).pow(2).sum().backward()
+        twin(x).pow(2).sum().backward()
+    _assert_grads_equal(net, twin)
+    grads = [p.grad for p in net.parameters()]
+    graphed(backend.randn(8, 4)).sum().backward()  # a later backward changes no earlier grad
+    assert all(g is p.grad for g, p in zip(grads, net.parameters(), strict=True))
+
+
+def test_tensordict_module(backend: Backend) -> None:
+    net = _mlp(backend)
+    module = TensorDictModule(net, in_keys=["obs"], out_keys=["value"])
+    twin = copy.deepcopy(module)
+    sample = TensorDict(obs=backend.randn(8, 4), batch_size=[8])
+    graphed = backend.graph_callables(module, (sample,))
+    for _ in range(3):
+        td = TensorDict(obs=backend.randn(8, 4), batch_size=[8])
+        out = graphed(td.clone())
+        expected = twin(td.clone())
+        torch.testing.assert_close(out["value"], expected["value"])
+        out["value"].pow(2).mean().backward()
+        expected["value"].pow(2).mean().backward()
+    _assert_grads_equal(module, twin)
+
+
+def test_keyword_arguments_and_pytrees(backend: Backend) -> None:
+    w = torch.randn(4, 3, device=backend.device, requires_grad=True)
+    w_twin = w.detach().clone().requires_grad_()
+
+    def fn(x: torch.Tensor, *, extra: dict[str, Any], weight: torch.Tensor) -> dict[str, Any]:
+        y = (x @ weight) * extra["scale"] + extra["shift"][0]
+        return {"y": y, "argmax": y.detach().argmax(-1), "tag": "ok"}
+
+    kwargs = {"extra": {"scale": 2.0, "shift": [backend.randn(3)]}}
+    graphed = backend.graph_callables(
+        fn, (backend.randn(5, 4, requires_grad=True),), sample_kwargs={**kwargs, "weight": w}
+    )
+    for _ in range(3):
+        x = backend.randn(5, 4, requires_grad=True)
+        x_twin = x.detach().clone().requires_grad_()
+        shift = [backend.randn(3)]
+        out = graphed(x, extra={"scale": 2.0, "shift": shift}, weight=w)
+        expected = fn(x_twin, extra={"scale": 2.0, "shift": shift}, weight=w_twin)
+        torch.testing.assert_close(out["y"], expected["y"])
+        assert out["tag"] == "ok" and not out["argmax"].requires_grad
+        torch.testing.assert_close(out["argmax"], expected["argmax"])
+        out["y"].sum().backward()
+        expected["y"].sum().backward()
+        torch.testing.assert_close(x.grad, x_twin.grad)
+        torch.testing.assert_close(w.grad, w_twin.grad)
+
+
+def test_callables_sharing_a_pool(backend: Backend) -> None:
+    # torch's documented usage: three modules, captured together, replayed fwd 1-2-3, bwd 3-2-1.
+    modules = [nn.Linear(6, 6).to(backend.device) for _ in range(3)]
+    twins = copy.deepcopy(modules)
+    x = backend.randn(4, 6)
+    h = backend.randn(4, 6, requires_grad=True)
+    graphed = backend.graph_callables(tuple(modules), ((x,), (h,), (h,)))
+    assert isinstance(graphed, tuple) and len(graphed) == 3
+    opt = torch.optim.SGD(itertools.chain(*(m.parameters() for m in modules)), lr=0.1)
+    opt_twin = torch.optim.SGD(itertools.chain(*(m.parameters() for m in twins)), lr=0.1)
+    for _ in range(5):
+        data, target = backend.randn(4, 6), backend.randn(4, 6)
+        for optimizer, chain in ((opt, graphed), (opt_twin, twins)):
+            optimizer.zero_grad(set_to_none=True)
+            out = chain[2](chain[1](chain[0](data)))
+            nn.functional.mse_loss(out, target).backward()
+            optimizer.step()
+    for m, t in zip(modules, twins, strict=True):
+        torch.testing.assert_close(m.weight, t.weight)
+        torch.testing.assert_close(m.bias, t.bias)
+
+
+def test_dropout_draws_new_masks_and_backward_uses_the_forwards(backend: Backend) -> None:
+    drop = nn.Dropout(0.5).to(backend.device)
+    graphed = backend.graph_callables(drop, (backend.randn(1000, requires_grad=True),))
+    x = backend.randn(1000, requires_grad=True)
+    first = graphed(x)
+    first.sum().backward()
+    mask = first.detach() != 0
+    torch.testing.assert_close(x.grad, mask.float() * 2.0)  # the same mask as the forward's
+    torch.testing.assert_close(first[mask], x.detach()[mask] * 2.0)
+    second = graphed(x)
+    assert not torch.equal(second != 0, mask)  # a fresh mask at each replay
+
+
+def test_training_loop_tracks_the_eager_twin(backend: Backend) -> None:
+    net = _mlp(backend)
+    twin = copy.deepcopy(net)
+    graphed = backend.graph_callables(net, (backend.randn(32, 4),))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    opt_twin = torch.optim.Adam(twin.parameters(), lr=1e-2)
+    for _ in range(20):
+        x, target = backend.randn(32, 4), backend.randn(32, 3)
+        for model, optimizer in ((graphed, opt), (twin, opt_twin)):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), target).backward()
+            optimizer.step()
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_frozen_parameters_and_unused_inputs(backend: Backend) -> None:
+    net = _mlp(backend)
+    net[0].requires_grad_(False)
+    twin = copy.deepcopy(net)
+
+    def fn(x: torch.Tensor, unused: torch.Tensor) -> torch.Tensor:
+        return net(x)
+
+    sample = (backend.randn(8, 4), backend.randn(3, requires_grad=True))
+    with pytest.raises(
+        ValueError,
+        match=re.escape("the input args[1] requires grad, but the outputs do not depend on it"),
+    ):
+        backend.graph_callables(fn, sample)
+    graphed = backend.graph_callables(fn, sample, allow_unused_input=True)
+    unused = backend.randn(3, requires_grad=True)
+    x = backend.randn(8, 4)
+    graphed(x, unused).sum().backward()
+    twin(x).sum().backward()
+    assert unused.grad is None and net[0].weight.grad is None
+    _assert_grads_equal(net, twin)
+
+
+def test_module_in_the_other_training_mode_runs_eagerly(backend: Backend) -> None:
+    net = _mlp(backend, dropout=0.5)
+    graphed = backend.graph_callables(net, (backend.randn(8, 4),))
+    x = backend.randn(8, 4)
+    net.eval()
+    eval_out = graphed(x)
+    net.train()
+    with torch.no_grad():
+        net.eval()
+        expected = net(x)
+        net.train()
+    torch.testing.assert_close(eval_out, expected)  # no dropout: the original forward ran
+    assert not torch.equal(graphed(x), graphed(x))  # training mode: the graph, with dropout
+
+
+def test_hooks_and_trainable_buffers_are_refused(backend: Backend) -> None:
+    net = _mlp(backend)
+    handle = net[1].register_forward_hook(lambda *a: None)
+    with pytest.raises(
+        ValueError, match=re.escape("its submodule `1` has forward hooks registered")
+    ):
+        backend.graph_callables(net, (backend.randn(2, 4),))
+    handle.remove()
+    net.register_buffer("scale", torch.ones(1, device=backend.device, requires_grad=True))
+    with pytest.raises(ValueError, match=re.escape("the buffer `scale` requires grad")):
+        backend.graph_callables(net, (backend.randn(2, 4),))
+
+
+def test_double_backward_and_stale_backward_are_refused(backend: Backend) -> None:
+    net = _mlp(backend)
+    graphed = backend.graph_callables(net, (backend.randn(8, 4, requires_grad=True),))
+    x = backend.randn(8, 4, requires_grad=True)
+    out = graphed(x).sum()
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out, x, create_graph=True)
+    first = graphed(backend.randn(8, 4, requires_grad=True)).sum()
+    second = graphed(backend.randn(8, 4, requires_grad=True)).sum()
+    with pytest.raises(RuntimeError, match="backward of an earlier call, after a later call"):
+        first.backward()
+    second.backward()  # the latest call's backward is fine
+
+
+def test_invalid_sample_args(backend: Backend) -> None:
+    with pytest.raises(TypeError, match="`sample_args` must be a tuple"):
+        backend.graph_callables(_mlp(backend), [backend.randn(2, 4)])
+    with pytest.raises(TypeError, match="2 callables need as many sample argument tuples"):
+        backend.graph_callables((_mlp(backend), _mlp(backend)), ((backend.randn(2, 4),),))
+
+
+def test_without_cuda_the_callables_come_back_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cudagraph_td import make_graphed_callables
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    net = nn.Linear(2, 2)
+    forward = net.forward
+    with pytest.warns(UserWarning, match="returned unchanged"):
+        assert make_graphed_callables(net, (torch.randn(1, 2),)) is net
+    assert net.forward == forward
+
+
+# CudaGraphModule in grad mode goes through the same core.
+
+
+def test_cuda_graph_module_in_grad_mode(backend: Backend) -> None:
+    net = _mlp(backend)
+    twin = copy.deepcopy(net)
+    graphed = backend.wrap(net, warmup=2)
+    for _ in range(5):
+        x = backend.randn(8, 4)
+        net.zero_grad()
+        twin.zero_grad()
+        out = graphed(x)
+        assert out.requires_grad
+        expected = twin(x)
+        torch.testing.assert_close(out, expected)
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+        _assert_grads_equal(net, twin)
+    with torch.no_grad():  # a plain graph of its own
+        x = backend.randn(8, 4)
+        for _ in range(3):
+            out = graphed(x)
+            assert not out.requires_grad
+            torch.testing.assert_close(out, twin(x))
+    assert "grad, train: captured" in repr(graphed) and "no_grad, train: captured" in repr(graphed)
+
+
+def test_cuda_graph_module_tensordict_module_in_grad_mode(backend: Backend) -> None:
+    actor = TensorDictModule(_mlp(backend), in_keys=["obs"], out_keys=["action"])
+    twin = copy.deepcopy(actor)
+    graphed = backend.wrap(actor, warmup=2)
+    for _ in range(4):
+        td = TensorDict(obs=backend.randn(8, 4), batch_size=[8])
+        out = graphed(td)
+        assert out is td and td["action"].requires_grad
+        expected = twin(td.clone())
+        torch.testing.assert_close(td["action"], expected["action"])
+        td["action"].pow(2).mean().backward()
+        expected["action"].pow(2).mean().backward()
+    _assert_grads_equal(actor, twin)
+
+
+def test_cuda_graph_module_with_inputs_that_require_grad(backend: Backend) -> None:
+    w = torch.randn(4, 4, device=backend.device, requires_grad=True)
+    graphed = backend.wrap(lambda x: torch.tanh(x @ w), warmup=1)
+    for _ in range(3):
+        x = backend.randn(2, 4, requires_grad=True)
+        x_twin = x.detach().clone().requires_grad_()
+        graphed(x).sum().backward()
+        grad_w = w.grad.clone()
+        w.grad = None
+        torch.tanh(x_twin @ w).sum().backward()
+        torch.testing.assert_close(x.grad, x_twin.grad)
+        torch.testing.assert_close(grad_w, w.grad)
+        w.grad = None
+    with pytest.raises(
+        RuntimeError,
+        match=re.escape("with args[0] requiring grad, but received a tensor that does not"),
+    ):
+        graphed(backend.randn(2, 4))
+
+
+def test_cuda_graph_module_training_mode_gets_its_own_graph(backend: Backend) -> None:
+    net = _mlp(backend, dropout=0.5)
+    graphed = backend.wrap(net, warmup=1)
+    x = backend.randn(8, 4)
+    with torch.no_grad():
+        train_outs = [graphed(x) for _ in range(3)]
+        net.eval()
+        eval_outs = [graphed(x) for _ in range(3)]
+    assert not torch.equal(train_outs[1], train_outs[2])  # dropout, fresh at each replay
+    with torch.no_grad():
+        for out in eval_outs:
+            torch.testing.assert_close(out, net(x))
