@@ -159,7 +159,8 @@ class Capture:
         self.allow_unused_input = allow_unused_input
         self.call = DifferentiableCall(name, signature, mutated)
         self.grad_inputs = [i for i, t in enumerate(signature.static_inputs) if t.requires_grad]
-        self.example: Any = None
+        self.example: Any = None  # an eager result, detached: its shapes, for the emulation
+        self.requires_grad: list[bool] | None = None  # which of its tensors require grad
         self.example_grads: tuple[torch.Tensor | None, ...] | None = None
         self._params: list[torch.Tensor] | None = None
         self._latest: Any = None  # the outputs of the last forward run, for the backward
@@ -194,12 +195,23 @@ class Capture:
         )
         return tuple(grads)
 
+    def _keep_example(self, example: Any) -> None:
+        # Keep no autograd graph of an eager run alive: the capture must create its own.
+        leaves, spec = _tree.flatten(example)
+        self.requires_grad = [
+            leaf.requires_grad for leaf in leaves if isinstance(leaf, torch.Tensor)
+        ]
+        detached = [leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        self.example = _tree.unflatten(spec, detached)
+
     def warmup(self, iterations: int) -> None:
         """Run forward and backward eagerly on the static inputs, before the capture."""
         for _ in range(iterations):
-            self.example = self.backend.warmup(self._run_forward)
-            self._discover_params(self.example, self.signature.static_inputs)
+            example = self.backend.warmup(self._run_forward)
+            self._discover_params(example, self.signature.static_inputs)
             self.example_grads = self.backend.warmup(self._run_backward)
+            self._keep_example(example)
+            del example
         self._latest = None
         self._check_unused()
 
@@ -208,7 +220,7 @@ class Capture:
 
         The result keeps its autograd graph: the caller may still run its backward.
         """
-        self.example = example
+        self._keep_example(example)
         self._discover_params(example, inputs)
         assert self._params is not None
         outputs = _differentiable_leaves(example)
@@ -250,13 +262,14 @@ class Capture:
         except Exception as err:
             raise _errors.capture_failure(self.name, "capture the forward graph", err) from err
         # On CUDA the recorded outputs carry the autograd graph; the emulation's are buffers.
-        source = self.example if self.example is not None else static_out
-        self._discover_params(source, self.signature.static_inputs)
-        requires = [
-            leaf.requires_grad
-            for leaf in _tree.flatten(source)[0]
-            if isinstance(leaf, torch.Tensor)
-        ]
+        self._discover_params(static_out, self.signature.static_inputs)
+        if self.requires_grad is None:  # no warm-up: the recorded outputs tell
+            self.requires_grad = [
+                leaf.requires_grad
+                for leaf in _tree.flatten(static_out)[0]
+                if isinstance(leaf, torch.Tensor)
+            ]
+        requires = self.requires_grad
         call.outputs = Outputs(self.name, static_out, self.backend.device, allow_grad=True)
         call.static_outputs = call.outputs.static
         call.differentiable = [i for i, r in enumerate(requires) if r]

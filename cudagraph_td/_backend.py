@@ -52,11 +52,14 @@ class CudaBackend:
         self.device = device
         self.pool = pool
         self.capture_error_mode = capture_error_mode
-        # Side streams, as torch.cuda.make_graphed_callables uses: the warm-up runs off the
-        # caller's stream so that lazy initialisations (cuBLAS workspaces, autograd and
-        # optimizer state) happen before the capture and not inside it.
+        # A side stream: the warm-up runs off the caller's stream so that lazy
+        # initialisations (cuBLAS workspaces, autograd and optimizer state) happen before the
+        # capture and not inside it. The capture runs on the same stream: autograd ties each
+        # parameter's gradient accumulation to the stream of the forward that first used it,
+        # and a warm-up result still alive during the capture (the capturing call's result)
+        # would otherwise tie it to another stream than the captured backward's.
         self._side_stream = torch.cuda.Stream(device)
-        self._capture_stream = torch.cuda.Stream(device)
+        self._capture_stream = self._side_stream
 
     def warmup(self, fn: Callable[[], T]) -> T:
         current = torch.cuda.current_stream(self.device)

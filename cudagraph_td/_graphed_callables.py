@@ -88,7 +88,9 @@ def make_graphed_callables(
         sample_kwargs = ({} if sample_kwargs is None else sample_kwargs,)
     elif sample_kwargs is None:
         sample_kwargs = tuple({} for _ in callables)
-    _check_arguments(callables, sample_args, sample_kwargs, capture_error_mode, backend)
+    _check_arguments(
+        callables, sample_args, sample_kwargs, num_warmup_iters, capture_error_mode, backend
+    )
     if backend == "auto":
         if not torch.cuda.is_available():
             warnings.warn(
@@ -106,7 +108,8 @@ def make_graphed_callables(
         forward = fn.forward if isinstance(fn, torch.nn.Module) else fn
         signature = Signature(name, args, kwargs, graph_backend.device, allow_grad=True)
         capture = Capture(name, forward, signature, graph_backend, [], allow_unused_input)
-        capture.warmup(num_warmup_iters)
+        # The emulation builds its static buffers from an eager result: it needs one run.
+        capture.warmup(num_warmup_iters if backend == "cuda" else max(1, num_warmup_iters))
         captures.append(capture)
     # One pool for all: forwards in order, backwards in reverse, as they will replay.
     for capture in captures:
@@ -127,6 +130,7 @@ def _check_arguments(
     callables: tuple[Any, ...],
     sample_args: Any,
     sample_kwargs: Any,
+    num_warmup_iters: int,
     capture_error_mode: str,
     backend: str,
 ) -> None:
