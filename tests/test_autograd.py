@@ -317,3 +317,53 @@ def test_cuda_graph_module_training_mode_gets_its_own_graph(backend: Backend) ->
     with torch.no_grad():
         for out in eval_outs:
             torch.testing.assert_close(out, net(x))
+
+
+def test_torch_documentation_usage_with_the_import_swapped(cuda: Backend) -> None:
+    # The example of torch.cuda.make_graphed_callables's docstring, with only the import
+    # changed, run beside an eager twin.
+    from cudagraph_td import make_graphed_callables
+
+    N, D_in, H, D_out = 640, 4096, 2048, 1024
+    module1 = torch.nn.Linear(D_in, H).cuda()
+    module2 = torch.nn.Linear(H, D_out).cuda()
+    module3 = torch.nn.Linear(D_out, D_out).cuda()
+    twins = [copy.deepcopy(m) for m in (module1, module2, module3)]
+
+    loss_fn = torch.nn.MSELoss()
+    optimizer = torch.optim.SGD(
+        itertools.chain(module1.parameters(), module2.parameters(), module3.parameters()), lr=0.1
+    )
+    twin_optimizer = torch.optim.SGD(itertools.chain(*(t.parameters() for t in twins)), lr=0.1)
+
+    # Sample inputs used for capture
+    # requires_grad state of sample inputs must match
+    # requires_grad state of real inputs each callable will see.
+    x = torch.randn(N, D_in, device="cuda")
+    h = torch.randn(N, H, device="cuda", requires_grad=True)
+
+    module1 = make_graphed_callables(module1, (x,))
+    module2 = make_graphed_callables(module2, (h,))
+    module3 = make_graphed_callables(
+        module3, (torch.randn(N, D_out, device="cuda", requires_grad=True),)
+    )
+
+    real_inputs = [torch.rand_like(x) for _ in range(10)]
+    real_targets = [torch.randn(N, D_out, device="cuda") for _ in range(10)]
+
+    for data, target in zip(real_inputs, real_targets, strict=True):
+        for (m1, m2, m3), opt in (
+            ((module1, module2, module3), optimizer),
+            (twins, twin_optimizer),
+        ):
+            opt.zero_grad(set_to_none=True)
+            tmp = m1(data)  # forward ops run as a graph
+            tmp = torch.nn.functional.relu(tmp)  # regular eager op
+            tmp = m2(tmp)  # forward ops run as a graph
+            tmp = torch.nn.functional.relu(tmp)  # regular eager op
+            tmp = m3(tmp)  # forward ops run as a graph
+            loss = loss_fn(tmp, target)
+            loss.backward()  # module3's, module2's, then module1's backward run as graphs
+            opt.step()
+    for graphed, twin in zip((module1, module2, module3), twins, strict=True):
+        torch.testing.assert_close(graphed.weight, twin.weight, rtol=1e-4, atol=1e-5)
