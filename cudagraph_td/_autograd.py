@@ -118,6 +118,7 @@ class DifferentiableCall:
         self.static_grad_outputs: list[torch.Tensor] = []
         self.static_grad_inputs: tuple[torch.Tensor | None, ...] = ()
         self.grad_slots: list[int] = []
+        self.saved_tensors: list[torch.Tensor] = []  # what the backward graph reads
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         tensors = self._match(args, kwargs)
@@ -255,10 +256,20 @@ class Capture:
 
     def capture_forward(self) -> None:
         call = self.call
+        # Hold every tensor that the forward saves for its backward: once the capture is
+        # done, the autograd graph is dropped (see capture_backward), and the memory that
+        # the backward graph reads must stay allocated, never reused by a later capture.
+        saved = call.saved_tensors
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            saved.append(t)
+            return t
+
         try:
-            call.forward_graph, static_out = self.backend.capture(
-                self._run_forward, like=self.example
-            )
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                call.forward_graph, static_out = self.backend.capture(
+                    self._run_forward, like=self.example
+                )
         except Exception as err:
             raise _errors.capture_failure(self.name, "capture the forward graph", err) from err
         # On CUDA the recorded outputs carry the autograd graph; the emulation's are buffers.
@@ -288,7 +299,11 @@ class Capture:
             )
         except Exception as err:
             raise _errors.capture_failure(self.name, "capture the backward graph", err) from err
-        self._latest = None  # the graph keeps what the backward needs
+        # Drop the recorded autograd graph: the graphs replay without it, and its gradient
+        # accumulators, tied to the capture stream, would make autograd synchronise (and
+        # warn) at every backward on the caller's stream.
+        self._latest = None
+        call.static_outputs = call.outputs.static = [t.detach() for t in call.static_outputs]
         assert grads is not None
         call.static_grad_inputs = tuple(grads)
         slots = [-1] * call.n_inputs

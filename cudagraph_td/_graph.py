@@ -31,7 +31,8 @@ class Outputs:
                 raise _errors.outputs_require_grad(name, paths[i])
             if t.device != device:
                 raise _errors.cpu_output(name, paths[i], t.device)
-        self.template = leaves
+        # The constants of the result; its tensors are filled in at each call.
+        self.template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         self.single_tensor = self.spec.is_leaf() and bool(self.static)
         self.all_tensors = len(self.static) == len(leaves)
 
