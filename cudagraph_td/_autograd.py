@@ -262,7 +262,7 @@ class Capture:
         saved = call.saved_tensors
 
         def keep(t: torch.Tensor) -> torch.Tensor:
-            saved.append(t)
+            saved.append(t.detach())  # the memory, without the autograd graph behind it
             return t
 
         try:
