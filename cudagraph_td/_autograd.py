@@ -262,8 +262,12 @@ class Capture:
         saved = call.saved_tensors
 
         def keep(t: torch.Tensor) -> torch.Tensor:
-            saved.append(t.detach())  # the memory, without the autograd graph behind it
-            return t
+            # The memory, without the autograd graph behind it: a saved output packed as
+            # itself would form a cycle with its own node and keep the graph alive. The
+            # captured backward reads only the data (double backward is refused).
+            detached = t.detach()
+            saved.append(detached)
+            return detached
 
         try:
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
