@@ -34,6 +34,18 @@ class CudaGraphModule:
     error that names the offending leaf, before anything is copied. In-place updates of
     input tensors by the function reach the caller, as in eager mode.
 
+    A module with ``in_keys`` (a TensorDictModule), or a function given ``in_keys``, is
+    called as a TensorDictModule is: with a TensorDict, whose ``in_keys`` entries feed the
+    graph and which receives the written entries and is returned, or with keyword tensors
+    named by the ``in_keys``, returning the ``out_keys``' values; ``tensordict_out=`` is
+    accepted.
+
+    The wrapper keeps one graph per mode that changes what the function computes: grad
+    mode, a module's training mode, and tensordict's interaction type. In grad mode, when
+    the captured outputs require grad, the forward and its backward are captured inside one
+    autograd node (see :func:`make_graphed_callables`), so ``loss.backward()`` replays the
+    backward graph; under ``torch.no_grad()`` a plain graph is captured.
+
     Without CUDA (and with ``backend="auto"``), the constructor warns once and every call
     runs the function directly. See [sharp edges][sharp-edges] for what a graph cannot capture.
 
