@@ -43,7 +43,7 @@ class CudaGraphModule:
     The wrapper keeps one graph per mode that changes what the function computes: grad
     mode, a module's training mode, and tensordict's interaction type. In grad mode, when
     the captured outputs require grad, the forward and its backward are captured inside one
-    autograd node (see :func:`make_graphed_callables`), so ``loss.backward()`` replays the
+    autograd node (see [make_graphed_callables][cudagraph_td.make_graphed_callables]), so ``loss.backward()`` replays the
     backward graph; under ``torch.no_grad()`` a plain graph is captured.
 
     Without CUDA (and with ``backend="auto"``), the constructor warns once and every call
