@@ -102,6 +102,12 @@ def make_graphed_callables(
             return callables[0] if single else callables
         backend = "cuda"
     graph_backend = _make_backend(backend, sample_args, sample_kwargs, pool, capture_error_mode)
+    if torch.is_autocast_enabled(graph_backend.device.type) and torch.is_autocast_cache_enabled():
+        raise RuntimeError(
+            "make_graphed_callables cannot capture under autocast with its cache enabled: the "
+            "cache would keep casts made during the capture. Use "
+            "`torch.autocast(..., cache_enabled=False)`."
+        )
     captures = []
     for fn, args, kwargs in zip(callables, sample_args, sample_kwargs, strict=True):
         name = f"make_graphed_callables({_describe(fn)})"
@@ -152,11 +158,6 @@ def _check_arguments(
         )
     if backend not in ("auto", "cuda", "emulate"):
         raise ValueError(f"`backend` must be one of 'auto', 'cuda', 'emulate', got {backend!r}.")
-    if torch.is_autocast_enabled("cuda") and torch.is_autocast_cache_enabled():
-        raise RuntimeError(
-            "make_graphed_callables cannot capture under autocast with its cache enabled: the "
-            "cache would hold tensors of the capture. Use `torch.autocast(..., cache_enabled=False)`."
-        )
     for fn in callables:
         if isinstance(fn, torch.nn.Module):
             _check_module(fn)

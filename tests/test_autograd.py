@@ -211,6 +211,19 @@ def test_hooks_and_trainable_buffers_are_refused(backend: Backend) -> None:
         backend.graph_callables(net, (backend.randn(2, 4),))
 
 
+def test_autocast_with_its_cache_is_refused(backend: Backend) -> None:
+    dtype = torch.bfloat16
+    with (
+        torch.autocast(backend.device.type, dtype=dtype),
+        pytest.raises(RuntimeError, match=re.escape("cache_enabled=False")),
+    ):
+        backend.graph_callables(_mlp(backend), (backend.randn(2, 4),))
+    with torch.autocast(backend.device.type, dtype=dtype, cache_enabled=False):
+        net = backend.graph_callables(_mlp(backend), (backend.randn(2, 4),))
+        x = backend.randn(2, 4)
+        assert net(x).dtype == dtype
+
+
 def test_double_backward_and_stale_backward_are_refused(backend: Backend) -> None:
     net = _mlp(backend)
     graphed = backend.graph_callables(net, (backend.randn(8, 4, requires_grad=True),))
