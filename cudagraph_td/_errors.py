@@ -170,6 +170,12 @@ _CAPTURE_CAUSES = (
         "function's work on the current stream.",
     ),
     (
+        ("capturable is False", "capturable=False"),
+        "an optimizer steps inside the capture without `capturable=True`: build it with "
+        "`capturable=True` (Adam, AdamW and others), so that its step counts stay on the "
+        "GPU and its update is recorded.",
+    ),
+    (
         ("cudaErrorStreamCaptureInvalidated", "capture was invalidated"),
         "an earlier operation of the function broke the capture, often a host "
         "synchronisation (`.item()`, `print()` of a CUDA tensor) or work on another stream.",
