@@ -22,6 +22,39 @@ from . import _tree
 T = TypeVar("T")
 
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+BACKENDS = ("auto", "cuda", "emulate")
+
+
+def check_options(backend: str, capture_error_mode: str) -> None:
+    """Raise a ``ValueError`` that lists the valid values of an option the user got wrong."""
+    for option, value, valid in (
+        ("backend", backend, BACKENDS),
+        ("capture_error_mode", capture_error_mode, CAPTURE_ERROR_MODES),
+    ):
+        if value not in valid:
+            raise ValueError(
+                f"`{option}` must be one of {', '.join(map(repr, valid))}, got {value!r}."
+            )
+
+
+def make_backend(
+    name: str, device: torch.device | None, pool: Any, capture_error_mode: str, inputs: Any
+) -> Backend:
+    """The backend called ``name``; a CUDA one on ``device``, else on the inputs' device."""
+    if name == "emulate":
+        return EmulatedBackend(device)
+    if device is None:
+        device = next(
+            (
+                leaf.device
+                for _, leaf in _tree.walk_leaves(inputs)
+                if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda"
+            ),
+            None,
+        )
+    if device is None or device.index is None:  # "cuda" alone means the current device
+        device = torch.device("cuda", torch.cuda.current_device())
+    return CudaBackend(device, pool, capture_error_mode)
 
 
 class Graph(Protocol):

@@ -7,9 +7,8 @@ from typing import Any, Literal
 
 import torch
 
-from . import _tree
 from ._autograd import Capture, DifferentiableCall
-from ._backend import CAPTURE_ERROR_MODES, Backend, CudaBackend, EmulatedBackend
+from ._backend import check_options, make_backend
 from ._signature import Signature
 
 
@@ -101,7 +100,11 @@ def make_graphed_callables(
             )
             return callables[0] if single else callables
         backend = "cuda"
-    graph_backend = _make_backend(backend, sample_args, sample_kwargs, pool, capture_error_mode)
+    if backend == "cuda" and pool is None:
+        pool = torch.cuda.graph_pool_handle()  # one pool for all the callables of the call
+    graph_backend = make_backend(
+        backend, None, pool, capture_error_mode, (sample_args, sample_kwargs)
+    )
     if torch.is_autocast_enabled(graph_backend.device.type) and torch.is_autocast_cache_enabled():
         raise RuntimeError(
             "make_graphed_callables cannot capture under autocast with its cache enabled: the "
@@ -152,12 +155,7 @@ def _check_arguments(
             f"{len(callables)} callables need as many sample argument tuples; got "
             f"{len(sample_args)} `sample_args` and {len(sample_kwargs)} `sample_kwargs`."
         )
-    if capture_error_mode not in CAPTURE_ERROR_MODES:
-        raise ValueError(
-            f"`capture_error_mode` must be one of {CAPTURE_ERROR_MODES}, got {capture_error_mode!r}."
-        )
-    if backend not in ("auto", "cuda", "emulate"):
-        raise ValueError(f"`backend` must be one of 'auto', 'cuda', 'emulate', got {backend!r}.")
+    check_options(backend, capture_error_mode)
     for fn in callables:
         if isinstance(fn, torch.nn.Module):
             _check_module(fn)
@@ -186,24 +184,6 @@ def _check_module(module: torch.nn.Module) -> None:
                 "grad. Only parameters may be trainable: make it an `nn.Parameter`, or call "
                 "`requires_grad_(False)` on it."
             )
-
-
-def _make_backend(
-    backend: str, sample_args: Any, sample_kwargs: Any, pool: Any, capture_error_mode: str
-) -> Backend:
-    if backend == "emulate":
-        return EmulatedBackend()
-    device = next(
-        (
-            leaf.device
-            for _, leaf in _tree.walk_leaves((sample_args, sample_kwargs))
-            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda"
-        ),
-        torch.device("cuda", torch.cuda.current_device()),
-    )
-    if pool is None:
-        pool = torch.cuda.graph_pool_handle()
-    return CudaBackend(device, pool, capture_error_mode)
 
 
 def _graphed(fn: Any, call: DifferentiableCall) -> Any:

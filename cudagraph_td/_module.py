@@ -11,11 +11,10 @@ from typing import Any, Literal
 import torch
 from tensordict.nn.probabilistic import interaction_type
 
-from . import _graph, _tdmodule, _tree
-from ._backend import CAPTURE_ERROR_MODES, Backend, CudaBackend, EmulatedBackend
+from . import _graph, _tdmodule
+from ._backend import Backend, check_options, make_backend
 
 BackendName = Literal["auto", "cuda", "emulate"]
-_BACKENDS = ("auto", "cuda", "emulate")
 
 
 class CudaGraphModule:
@@ -107,15 +106,7 @@ class CudaGraphModule:
     ):
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"`warmup` must be an integer greater than 0, got {warmup!r}.")
-        if capture_error_mode not in CAPTURE_ERROR_MODES:
-            raise ValueError(
-                f"`capture_error_mode` must be one of {', '.join(map(repr, CAPTURE_ERROR_MODES))}, "
-                f"got {capture_error_mode!r}."
-            )
-        if backend not in _BACKENDS:
-            raise ValueError(
-                f"`backend` must be one of {', '.join(map(repr, _BACKENDS))}, got {backend!r}."
-            )
+        check_options(backend, capture_error_mode)
         if backend == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(
                 "CudaGraphModule(backend='cuda') needs CUDA, which is not available here. Use "
@@ -174,7 +165,11 @@ class CudaGraphModule:
         make_backend = None
         if self._backend_name != "eager":
             make_backend = functools.partial(
-                _make_backend, self._backend_name, self.device, self._pool, self._capture_error_mode
+                _make_runner_backend,
+                self._backend_name,
+                self.device,
+                self._pool,
+                self._capture_error_mode,
             )
         runner = _graph.GraphRunner(type(self).__name__, self._fn, self._warmup, make_backend)
         self._runners[self._key] = runner
@@ -260,7 +255,7 @@ def _mode_name(key: tuple[Any, bool, Any]) -> str:
     return ", ".join(parts)
 
 
-def _make_backend(
+def _make_runner_backend(
     name: str,
     device: torch.device | None,
     pool: Any,
@@ -268,16 +263,4 @@ def _make_backend(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Backend:
-    if name == "emulate":
-        return EmulatedBackend(device)
-    device = device or _first_cuda_device((args, kwargs))
-    if device is None or device.index is None:  # "cuda" alone means the current device
-        device = torch.device("cuda", torch.cuda.current_device())
-    return CudaBackend(device, pool, capture_error_mode)
-
-
-def _first_cuda_device(tree: Any) -> torch.device | None:
-    for _, leaf in _tree.walk_leaves(tree):
-        if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda":
-            return leaf.device
-    return None
+    return make_backend(name, device, pool, capture_error_mode, (args, kwargs))
