@@ -241,11 +241,7 @@ class Capture:
     def _check_unused(self) -> None:
         if self.allow_unused_input or self.example_grads is None:
             return
-        paths = [
-            _tree.format_path(path)
-            for path, leaf in _tree.walk_leaves(self.signature.static_tree())
-            if isinstance(leaf, torch.Tensor)
-        ]
+        paths = self.signature.tensor_paths()
         for slot, i in enumerate(self.grad_inputs):
             if self.example_grads[slot] is None:
                 raise ValueError(

@@ -105,9 +105,9 @@ def capture(
         call = capture_differentiable(name, fn, signature, backend, result, inputs, mutated)
         return call, result
     if any(t.requires_grad for t in signature.static_inputs):
-        paths = _tensor_paths(signature.static_args, signature.static_kwargs)
+        paths = signature.tensor_paths()
         path = next(
-            p for t, (p, _) in zip(signature.static_inputs, paths, strict=True) if t.requires_grad
+            p for t, p in zip(signature.static_inputs, paths, strict=True) if t.requires_grad
         )
         raise _errors.requires_grad(name, path)
 
@@ -128,14 +128,6 @@ def capture(
 def _requires_grad(tree: Any) -> bool:
     leaves, _ = _tree.flatten(tree)
     return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves)
-
-
-def _tensor_paths(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
-    return [
-        (_tree.format_path(path), leaf)
-        for path, leaf in _tree.walk_leaves((args, kwargs))
-        if isinstance(leaf, torch.Tensor)
-    ]
 
 
 class GraphRunner:

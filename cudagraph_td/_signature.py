@@ -125,6 +125,14 @@ class Signature:
         leaves, _ = _tree.flatten((args, kwargs))
         return [leaves[i] for i in self.tensor_index]
 
+    def tensor_paths(self) -> list[str]:
+        """Readable paths of the tensor inputs, in the order of ``static_inputs`` (for errors)."""
+        return [
+            _tree.format_path(path)
+            for path, leaf in _tree.walk_leaves((self.static_args, self.static_kwargs))
+            if isinstance(leaf, torch.Tensor)
+        ]
+
     def consts_match(self, leaves: list[Any]) -> bool:
         """Whether the non-tensor leaves of a call are those of the capture (by type and value)."""
         received = [leaves[i] for i in self.const_index]
