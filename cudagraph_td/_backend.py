@@ -65,6 +65,8 @@ class Backend(Protocol):
     """Runs warm-up calls, and records a function into a graph without running its effects."""
 
     device: torch.device
+    # Whether a replay runs the function's Python code again (the emulation) or not (CUDA).
+    reruns_python: bool
 
     def warmup(self, fn: Callable[[], T]) -> T: ...
 
@@ -80,6 +82,8 @@ class Backend(Protocol):
 
 class CudaBackend:
     """Warm-up on a side stream, capture on a capture stream, one memory pool per graph."""
+
+    reruns_python = False
 
     def __init__(self, device: torch.device, pool: Any = None, capture_error_mode: str = "global"):
         self.device = device
@@ -166,6 +170,8 @@ class EmulatedBackend:
     memory. Like a CUDA graph, a replay sees the current contents of the static inputs and of
     every tensor the function reads, and repeats the function's in-place updates.
     """
+
+    reruns_python = True
 
     def __init__(self, device: torch.device | None = None):
         self.device = torch.device("cpu") if device is None else device

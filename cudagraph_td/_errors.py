@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 _RESET_HINT = "or call `reset()` to capture the graph again for the new inputs"
 
 
@@ -176,6 +178,12 @@ _CAPTURE_CAUSES = (
         "GPU and its update is recorded.",
     ),
     (
+        ("backward through the graph a second time",),
+        "the function ran a backward and returned a tensor of that graph that still "
+        "requires grad (a loss without `.detach()`?): return `loss.detach()` from a function "
+        "that runs its own `backward()`.",
+    ),
+    (
         ("cudaErrorStreamCaptureInvalidated", "capture was invalidated"),
         "an earlier operation of the function broke the capture, often a host "
         "synchronisation (`.item()`, `print()` of a CUDA tensor) or work on another stream.",
@@ -208,4 +216,47 @@ def cpu_output(name: str, path: str, device: Any) -> RuntimeError:
         f"{device}): a CUDA graph cannot recompute it at replay, so every replay would return "
         "the value of the capture. Return tensors computed on the graph's device, or build "
         "that output outside the wrapped function."
+    )
+
+
+def step_output_requires_grad(name: str, path: str) -> RuntimeError:
+    return RuntimeError(
+        f"{name} captured a training step (the function moved parameters or their "
+        f"gradients) that returns {path}, a tensor that still requires grad. The step has run "
+        "its own backward, so the wrapper does not make it differentiable: return "
+        "`loss.detach()`, or run `backward()` outside the function and let the wrapper "
+        "capture the forward alone."
+    )
+
+
+def grad_replaced(name: str, param: str, captured: Any, now: Any) -> RuntimeError:
+    def describe(grad: Any) -> str:
+        return "None" if grad is None else f"a tensor of shape {tuple(grad.shape)}"
+
+    return RuntimeError(
+        f"{name} captured a training step that uses the gradient tensor of `{param}` in "
+        f"place, but `{param}.grad` was replaced since the capture (captured: "
+        f"{describe(captured)}; now: {describe(now)}), for instance by "
+        "`zero_grad(set_to_none=True)` outside the function. A graph keeps reading and "
+        "writing the gradient tensors it recorded, so the replay would not be the step that "
+        "eager mode runs now. Keep gradients in place between calls: call "
+        "`zero_grad(set_to_none=False)` outside the function, or zero them inside it; "
+        f"{_RESET_HINT}."
+    )
+
+
+def hyperparameter_changed(
+    name: str, where: str, key: str, captured: Any, now: Any
+) -> RuntimeError:
+    tensor_hint = (
+        f"Give it as a tensor on the graph's device (`{key}=torch.tensor(...)`, with "
+        "`capturable=True`) and change it in place (`.fill_()`; learning-rate schedulers do "
+        "that for tensor learning rates), "
+        if not isinstance(captured, torch.Tensor)
+        else "Change a tensor hyperparameter in place (`.fill_()`) instead of replacing it, "
+    )
+    return RuntimeError(
+        f"{name} captured an optimizer step with {where}[{key!r}] = {_short(captured)}, which "
+        f"is now {_short(now)}. A graph replays the value it captured: the change would be "
+        f"silently ignored. {tensor_hint}{_RESET_HINT}."
     )

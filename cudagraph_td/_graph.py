@@ -13,7 +13,7 @@ from typing import Any
 import optree
 import torch
 
-from . import _errors, _tree
+from . import _errors, _training, _tree
 from ._backend import Backend, Graph
 from ._signature import Signature, validate
 
@@ -55,7 +55,14 @@ class Outputs:
 class CapturedCall:
     """A graph with its signature and outputs: calling it replays the graph on new inputs."""
 
-    def __init__(self, signature: Signature, graph: Graph, outputs: Outputs, mutated: list[int]):
+    def __init__(
+        self,
+        signature: Signature,
+        graph: Graph,
+        outputs: Outputs,
+        mutated: list[int],
+        watch: Callable[[], None] | None = None,
+    ):
         self.signature = signature
         self.graph = graph
         self.outputs = outputs
@@ -64,9 +71,12 @@ class CapturedCall:
         self._static_inputs = signature.static_inputs
         self._mutated = mutated
         self._mutated_static = [signature.static_inputs[i] for i in mutated]
+        self._watch = watch
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         tensors = self._match(args, kwargs)
+        if self._watch is not None:  # a training step: its gradients and hyperparameters
+            self._watch()
         if tensors:
             torch._foreach_copy_(self._static_inputs, tensors)
         self.graph.replay()
@@ -92,14 +102,17 @@ def capture(
     signature = Signature(name, args, kwargs, backend.device, allow_grad=grad)
     inputs = signature.tensors(args, kwargs)
     versions = [t._version for t in inputs]
+    observed = _training.Observation(fn)
     try:
         result = backend.warmup(lambda: fn(*args, **kwargs))
     except Exception as err:
         raise _errors.capture_failure(name, "run the capturing call", err) from err
+    if observed.after_eager_run() and grad and (path := _path_requiring_grad(result)):
+        raise _errors.step_output_requires_grad(name, path)
     # The function wrote into these inputs (their version counters moved): each replay
     # copies them back to the caller's tensors.
     mutated = [i for i, (t, v) in enumerate(zip(inputs, versions, strict=True)) if t._version != v]
-    if grad and _requires_grad(result):
+    if grad and _path_requiring_grad(result):
         from ._autograd import capture_differentiable
 
         call = capture_differentiable(name, fn, signature, backend, result, inputs, mutated)
@@ -118,16 +131,22 @@ def capture(
         return fn(*static_args, **static_kwargs)
 
     try:
-        graph, static_out = backend.capture(run_static, like=result)
+        graph, static_out = observed.record(lambda: backend.capture(run_static, like=result))
     except Exception as err:
         raise _errors.capture_failure(name, "capture the graph", err) from err
     outputs = Outputs(name, static_out, backend.device)
-    return CapturedCall(signature, graph, outputs, mutated), result
+    watch = observed.watch(name)
+    if watch is not None and backend.reruns_python:
+        graph = _training.PinnedGrads(graph, watch)
+    return CapturedCall(signature, graph, outputs, mutated, watch), result
 
 
-def _requires_grad(tree: Any) -> bool:
-    leaves, _ = _tree.flatten(tree)
-    return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves)
+def _path_requiring_grad(tree: Any) -> str | None:
+    """The path of the first output tensor that requires grad, if any."""
+    for path, leaf in _tree.walk_leaves(tree):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            return _tree.format_path(path, "output")
+    return None
 
 
 class GraphRunner:

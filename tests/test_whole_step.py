@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -111,3 +112,169 @@ def test_optimizer_without_capturable_is_explained(cuda: Backend) -> None:
     graphed(cuda.randn(3))
     with pytest.raises(RuntimeError, match="build it with `capturable=True`"):
         graphed(cuda.randn(3))
+
+
+def _sgd_step(backend: Backend, *, set_to_none: bool = True) -> tuple[Any, nn.Module, Any]:
+    net = nn.Linear(3, 1).to(backend.device)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=set_to_none)
+        loss = net(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step, net, opt
+
+
+def test_changed_float_learning_rate_is_reported(backend: Backend) -> None:
+    step, net, opt = _sgd_step(backend)
+    twin, twin_net, twin_opt = _sgd_step(backend)
+    twin_net.load_state_dict(net.state_dict())
+    graphed = backend.wrap(step, warmup=2)
+
+    def both(x: torch.Tensor) -> None:
+        torch.testing.assert_close(graphed(x), twin(x))
+
+    for _ in range(3):
+        both(backend.randn(8, 3))
+    for lr in (0.01 * 1.0, 0.005):  # the same value in a new object is still valid
+        opt.param_groups[0]["lr"] = twin_opt.param_groups[0]["lr"] = lr
+    message = "param_groups[0]['lr'] = 0.01, which is now 0.005. A graph replays the value"
+    with pytest.raises(RuntimeError, match=re.escape(message)) as info:
+        graphed(backend.randn(8, 3))
+    assert "`lr=torch.tensor(...)`, with `capturable=True`" in str(info.value)
+    graphed.reset()  # the documented way out: capture again with the new value
+    for _ in range(4):
+        both(backend.randn(8, 3))
+    torch.testing.assert_close(net.weight, twin_net.weight)
+
+
+def test_replaced_tensor_learning_rate_is_reported(backend: Backend) -> None:
+    w = torch.zeros(3, device=backend.device, requires_grad=True)
+    opt = torch.optim.Adam(
+        [w], lr=torch.tensor(0.1, device=backend.device), capturable=backend.name == "cuda"
+    )
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=False)
+        (w * x).sum().backward()
+        opt.step()
+        return w.detach().clone()
+
+    graphed = backend.wrap(step, warmup=2)
+    for _ in range(3):
+        graphed(backend.randn(3))
+    opt.param_groups[0]["lr"] = torch.tensor(0.2, device=backend.device)
+    with pytest.raises(
+        RuntimeError, match=r"Change a tensor hyperparameter in place \(`.fill_\(\)`\)"
+    ):
+        graphed(backend.randn(3))
+
+
+def test_zero_grad_inside_the_step_keeps_grads_as_eager(backend: Backend) -> None:
+    # tensordict's documented pattern: `opt.zero_grad()` (set_to_none=True) inside the step.
+    step, net, _ = _sgd_step(backend)
+    twin, twin_net, _ = _sgd_step(backend)
+    twin_net.load_state_dict(net.state_dict())
+    graphed = backend.wrap(step, warmup=2)
+    for i in range(5):
+        x = backend.randn(8, 3)
+        torch.testing.assert_close(graphed(x), twin(x))
+        # After the capturing call (i == 1) too, `.grad` holds this call's gradient.
+        for p, q in zip(net.parameters(), twin_net.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, msg=f"call {i}")
+
+
+def test_gradients_of_a_graphed_backward_feed_an_eager_step(backend: Backend) -> None:
+    # Forward and backward in the graph, the optimizer step outside: `.grad` must hold each
+    # call's gradient, the capturing call's included, when the eager step reads it.
+    def make() -> tuple[Any, nn.Module, torch.optim.Optimizer]:
+        net = nn.Linear(3, 2).to(backend.device)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+        def backward(x: torch.Tensor) -> torch.Tensor:
+            net.zero_grad()  # set_to_none=True
+            loss = net(x).square().mean()
+            loss.backward()
+            return loss.detach()
+
+        return backward, net, opt
+
+    backward, net, opt = make()
+    twin, twin_net, twin_opt = make()
+    twin_net.load_state_dict(net.state_dict())
+    graphed = backend.wrap(backward, warmup=2)
+    for _ in range(5):
+        x = backend.randn(4, 3)
+        torch.testing.assert_close(graphed(x), twin(x))
+        opt.step()
+        twin_opt.step()
+    for p, q in zip(net.parameters(), twin_net.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+
+
+def test_gradients_set_to_none_between_replays_are_reported(backend: Backend) -> None:
+    # Gradient accumulation: the graph adds into the captured `.grad` tensors.
+    net = nn.Linear(3, 1).to(backend.device)
+
+    def accumulate(x: torch.Tensor) -> torch.Tensor:
+        loss = net(x).pow(2).mean()
+        loss.backward()
+        return loss.detach()
+
+    graphed = backend.wrap(accumulate, warmup=2)
+    for _ in range(3):
+        graphed(backend.randn(8, 3))
+    expected = net.weight.grad.clone() + _grad_of(net, x := backend.randn(8, 3))
+    graphed(x)
+    torch.testing.assert_close(net.weight.grad, expected)  # accumulated, as in eager
+    net.zero_grad(set_to_none=False)  # zeroes in place: the graph's tensors stay
+    graphed(x)
+    torch.testing.assert_close(net.weight.grad, _grad_of(net, x))
+    net.zero_grad()  # set_to_none=True
+    message = (
+        "`net.weight.grad` was replaced since the capture "
+        "(captured: a tensor of shape (1, 3); now: None)"
+    )
+    with pytest.raises(RuntimeError, match=re.escape(message)) as info:
+        graphed(x)
+    assert "call `zero_grad(set_to_none=False)` outside the function" in str(info.value)
+
+
+def _grad_of(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    w = net.weight.detach().clone().requires_grad_(True)
+    torch.nn.functional.linear(x, w, net.bias.detach()).pow(2).mean().backward()
+    assert w.grad is not None
+    return w.grad
+
+
+def test_policy_sharing_parameters_with_an_eager_learner_is_not_a_step(backend: Backend) -> None:
+    # A graphed no-grad policy reads the actor that an eager loop trains with zero_grad():
+    # the graph uses no gradient, so the learner's set_to_none is fine.
+    actor = nn.Linear(3, 2).to(backend.device)
+    opt = torch.optim.SGD(actor.parameters(), lr=0.1)
+    policy = backend.wrap(actor, warmup=2)
+    for _ in range(4):
+        obs = backend.randn(5, 3)
+        with torch.no_grad():
+            torch.testing.assert_close(policy(obs), actor(obs))
+        opt.zero_grad()
+        actor(obs).square().mean().backward()
+        opt.step()
+
+
+def test_undetached_loss_of_a_step_is_explained(backend: Backend) -> None:
+    step, _, _ = _sgd_step(backend)
+
+    def undetached(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        step(x)
+        return {"loss": step.__closure__[0].cell_contents(x).pow(2).mean()}  # type: ignore[index]
+
+    graphed = backend.wrap(undetached, warmup=2)
+    graphed(backend.randn(8, 3))
+    message = 'returns output["loss"], a tensor that still requires grad'
+    with pytest.raises(RuntimeError, match=re.escape(message)) as info:
+        graphed(backend.randn(8, 3))
+    assert "return `loss.detach()`" in str(info.value)

@@ -1,0 +1,272 @@
+"""Training steps inside a graph: the optimizers and gradients that a capture bakes in.
+
+A function that runs ``loss.backward()`` and ``optimizer.step()`` reads state that is not
+among its inputs: the parameters' ``.grad`` tensors, at the addresses the capture recorded,
+and the optimizers' hyperparameters, whose Python numbers become constants of the captured
+kernels. Nothing at replay re-reads either. :func:`observe` finds that state before the
+capturing call, and the :class:`Watch` it yields checks it before each replay, so that a
+gradient set to ``None`` or a Python learning rate changed after the capture raises an error
+instead of being silently ignored.
+
+The state is found by following the function's references (closure, globals it names,
+default arguments, bound ``self``, attributes), as far as a few levels deep.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import types
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from tensordict import is_tensor_collection
+from torch import nn
+
+from . import _errors
+
+# How far the search for optimizers and modules follows references, and how many objects
+# it looks at: enough for agents that hold their networks and optimizers as attributes,
+# bounded for functions that reach large object graphs through their globals.
+_MAX_DEPTH = 6
+_MAX_OBJECTS = 20_000
+
+_grad = operator.attrgetter("grad")
+
+
+def _references(obj: Any) -> Iterator[tuple[str, Any]]:
+    """The (name, object) pairs that ``obj`` refers to, for the search."""
+    if isinstance(obj, types.MethodType):
+        yield "", obj.__func__
+        yield "self", obj.__self__
+    elif isinstance(obj, types.FunctionType):
+        code = obj.__code__
+        for var, cell in zip(code.co_freevars, obj.__closure__ or (), strict=True):
+            # An empty cell (a variable assigned after the function was made) reads as None.
+            yield var, getattr(cell, "cell_contents", None)
+        for var in _global_names(code):
+            if var in obj.__globals__:
+                yield var, obj.__globals__[var]
+        yield "", obj.__defaults__
+        yield "", obj.__kwdefaults__
+        yield "", getattr(obj, "__wrapped__", None)  # functools.wraps, torch.compile
+    elif isinstance(obj, functools.partial):
+        yield "", obj.func
+        yield "", obj.args
+        yield "", obj.keywords
+    elif isinstance(obj, weakref.ref):
+        yield "", obj()
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield str(key), value
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for i, value in enumerate(obj):
+            yield f"[{i}]", value
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        for key, value in vars(obj).items():
+            yield key, value
+
+
+def _global_names(code: types.CodeType) -> Iterator[str]:
+    yield from code.co_names
+    for const in code.co_consts:  # nested functions and comprehensions
+        if isinstance(const, types.CodeType):
+            yield from _global_names(const)
+
+
+def _skipped(obj: Any) -> bool:
+    """Objects whose references hold no optimizer of the function: data, types, modules."""
+    return (
+        obj is None
+        or isinstance(obj, (torch.Tensor, type, types.ModuleType, str, bytes, int, float))
+        or is_tensor_collection(obj)
+    )
+
+
+def find_state(root: Any) -> tuple[dict[str, torch.optim.Optimizer], dict[str, nn.Module]]:
+    """The optimizers and modules that ``root`` reaches, by the name of their first path."""
+    optimizers: dict[str, torch.optim.Optimizer] = {}
+    modules: dict[str, nn.Module] = {}
+    seen = {id(root)}
+    frontier: list[tuple[str, Any]] = [("", root)]
+    for _ in range(_MAX_DEPTH):
+        found: list[tuple[str, Any]] = []
+        for path, obj in frontier:
+            if isinstance(obj, torch.optim.Optimizer):
+                optimizers.setdefault(path or "optimizer", obj)
+                continue  # its parameters are found through it; nothing else is needed
+            if isinstance(obj, nn.Module):
+                modules.setdefault(path or "module", obj)
+                obj = {**vars(obj), **obj._modules}  # attributes that may hold optimizers
+            for name, ref in _references(obj):
+                if _skipped(ref) or id(ref) in seen or len(seen) > _MAX_OBJECTS:
+                    continue
+                seen.add(id(ref))
+                found.append((_join(path, name), ref))
+        frontier = found
+    return optimizers, modules
+
+
+def _join(path: str, name: str) -> str:
+    if not name or name.startswith("["):
+        return path + name
+    if name.startswith("_") and path:  # nn.Module internals: `_modules` and the like
+        return path
+    return f"{path}.{name}" if path else name
+
+
+class Observation:
+    """The gradients and optimizer state around one capturing call.
+
+    Made before the call's eager run; :meth:`after_eager_run` then tells whether the call
+    was a training step (it moved parameters or their gradients).
+    """
+
+    def __init__(self, fn: Any):
+        optimizers, modules = find_state(fn)
+        self.optimizers = optimizers
+        params: dict[int, tuple[str, torch.Tensor]] = {}
+        for path, module in modules.items():
+            for pname, p in module.named_parameters():
+                params.setdefault(id(p), (f"{path}.{pname}", p))
+        for path, opt in optimizers.items():
+            for i, group in enumerate(opt.param_groups):
+                for j, p in enumerate(group["params"]):
+                    params.setdefault(id(p), (f"{path}.param_groups[{i}]['params'][{j}]", p))
+        self.params = [(name, p) for name, p in params.values() if p.requires_grad]
+        self._before = [_state(p) for _, p in self.params]
+        self.touched: list[tuple[str, torch.Tensor]] = []
+
+    def after_eager_run(self) -> bool:
+        """Whether the call moved a parameter or a gradient: a training step."""
+        self.touched = [
+            param
+            for param, before in zip(self.params, self._before, strict=True)
+            if _state(param[1]) != before
+        ]
+        return bool(self.touched)
+
+    def record(self, capture: Any) -> Any:
+        """Run ``capture()``, keeping the touched gradients' values as the eager run left them.
+
+        A capture runs the function's Python code without running its kernels: a
+        ``zero_grad()`` inside sets gradients to ``None``, and the backward then binds new
+        ones, in graph memory that holds nothing until the first replay. Those receive the
+        eager run's values, so that after the capturing call ``.grad`` reads as in eager mode.
+        """
+        eager = [p.grad for _, p in self.touched]
+        out = capture()
+        with torch.no_grad():
+            for (_, p), before in zip(self.touched, eager, strict=True):
+                if p.grad is not before and p.grad is not None and before is not None:
+                    p.grad.copy_(before)
+        return out
+
+    def watch(self, name: str) -> Watch | None:
+        """The checks that keep the captured step valid, or ``None`` if it has none."""
+        if not self.touched:
+            return None
+        touched = {id(p) for _, p in self.touched}
+        stepped = {
+            path: opt
+            for path, opt in self.optimizers.items()
+            if any(id(p) in touched for group in opt.param_groups for p in group["params"])
+        }
+        return Watch(name, self.touched, stepped)
+
+
+def _state(p: torch.Tensor) -> tuple[int, int, int]:
+    """What changes when a step writes a parameter or its gradient."""
+    grad = p.grad
+    return p._version, id(grad), -1 if grad is None else grad._version
+
+
+class Watch:
+    """Checks, before each replay, the state a captured training step reads but does not copy.
+
+    Calling it raises when a touched parameter's ``.grad`` is no longer the tensor the graph
+    writes, or when a hyperparameter of a stepped optimizer changed.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        params: list[tuple[str, torch.Tensor]],
+        optimizers: dict[str, torch.optim.Optimizer],
+    ):
+        self.name = name
+        self.names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        self.grads = [p.grad for p in self.params]
+        # (where, group, keys, values): the hyperparameters that each step reads.
+        self.groups: list[tuple[str, dict[str, Any], tuple[str, ...], tuple[Any, ...]]] = []
+        for path, opt in optimizers.items():
+            for i, group in enumerate(opt.param_groups):
+                keys = tuple(k for k in opt.defaults if k in group and k != "params")
+                where = f"`{path}` ({type(opt).__name__}) param_groups[{i}]"
+                self.groups.append((where, group, keys, tuple(group[k] for k in keys)))
+
+    def __call__(self) -> None:
+        # Identity checks, mapped in C: the common case, where nothing changed, costs no
+        # Python loop per parameter or per hyperparameter.
+        if not all(map(operator.is_, map(_grad, self.params), self.grads)):
+            self._raise_for_grads()
+        for i, (where, group, keys, values) in enumerate(self.groups):
+            if not all(map(operator.is_, map(group.__getitem__, keys), values)):
+                self._check_group(i, where, group, keys, values)
+
+    def after_replay(self) -> None:
+        """Put the captured gradient tensors back, with the values the replay computed."""
+        with torch.no_grad():
+            for p, grad in zip(self.params, self.grads, strict=True):
+                if p.grad is not grad:
+                    if grad is not None and p.grad is not None:
+                        grad.copy_(p.grad)
+                    p.grad = grad
+
+    def _raise_for_grads(self) -> None:
+        for name, p, grad in zip(self.names, self.params, self.grads, strict=True):
+            if p.grad is not grad:
+                raise _errors.grad_replaced(self.name, name, grad, p.grad)
+
+    def _check_group(
+        self,
+        i: int,
+        where: str,
+        group: dict[str, Any],
+        keys: tuple[str, ...],
+        values: tuple[Any, ...],
+    ) -> None:
+        for key, value in zip(keys, values, strict=True):
+            new = group.get(key, _MISSING)
+            if new is value:
+                continue
+            tensors = isinstance(new, torch.Tensor) or isinstance(value, torch.Tensor)
+            if tensors or type(new) is not type(value) or new != value:
+                raise _errors.hyperparameter_changed(self.name, where, key, value, new)
+        # Equal values in new objects (a scheduler that wrote the same number): keep checking
+        # the new objects, so that the next replay takes the fast path again.
+        self.groups[i] = (where, group, keys, tuple(group[k] for k in keys))
+
+
+_MISSING = object()
+
+
+class PinnedGrads:
+    """A graph whose replay re-runs Python (the emulation), made to leave ``.grad`` as CUDA does.
+
+    A CUDA replay runs no Python, so the ``.grad`` tensors stay those of the capture, and
+    receive the replay's gradients. A re-run of the function binds new ones (``zero_grad()``
+    sets them to ``None``, the backward makes new tensors): their values are moved into the
+    captured tensors, which are put back.
+    """
+
+    def __init__(self, graph: Any, watch: Watch):
+        self.graph = graph
+        self.watch = watch
+
+    def replay(self) -> None:
+        self.graph.replay()
+        self.watch.after_replay()
