@@ -144,8 +144,9 @@ class Observation:
         self.touched = [
             param
             for param, before in zip(self.params, self._before, strict=True)
-            if _state(param[1]) != before
+            if _moved(param[1], before)
         ]
+        self._before = []  # let go of the gradients of before the call
         return bool(self.touched)
 
     def record(self, capture: Any) -> Any:
@@ -177,10 +178,19 @@ class Observation:
         return Watch(name, self.touched, stepped)
 
 
-def _state(p: torch.Tensor) -> tuple[int, int, int]:
-    """What changes when a step writes a parameter or its gradient."""
+def _state(p: torch.Tensor) -> tuple[int, torch.Tensor | None, int]:
+    """What changes when a step writes a parameter or its gradient.
+
+    The gradient itself, not its ``id``: holding it keeps a new gradient from taking the
+    freed one's address, and so its ``id``.
+    """
     grad = p.grad
-    return p._version, id(grad), -1 if grad is None else grad._version
+    return p._version, grad, -1 if grad is None else grad._version
+
+
+def _moved(p: torch.Tensor, before: tuple[int, torch.Tensor | None, int]) -> bool:
+    version, grad, grad_version = _state(p)
+    return version != before[0] or grad is not before[1] or grad_version != before[2]
 
 
 class Watch:

@@ -278,3 +278,32 @@ def test_undetached_loss_of_a_step_is_explained(backend: Backend) -> None:
     with pytest.raises(RuntimeError, match=re.escape(message)) as info:
         graphed(backend.randn(8, 3))
     assert "return `loss.detach()`" in str(info.value)
+
+
+# Warnings that torch's own code raises while Dynamo traces it (and inductor's TF32 hint).
+@pytest.mark.filterwarnings("ignore::UserWarning:torch", "ignore::DeprecationWarning:torch")
+@pytest.mark.parametrize("warmup", [2, 3])
+def test_compiled_step_inside(backend: Backend, warmup: int) -> None:
+    # Inductor on the GPU; on the CPU, where inductor would spend a long time in a C++
+    # compiler, the same Dynamo and AOTAutograd path without code generation.
+    compiler = "inductor" if backend.name == "cuda" else "aot_eager"
+    torch._dynamo.reset()
+    update, net, target, opt = _agent(backend, "adam")
+    twin_update, twin_net, twin_target, twin_opt = _agent(backend, "adam")
+    twin_net.load_state_dict(net.state_dict())
+    twin_target.load_state_dict(target.state_dict())
+    graphed = backend.wrap(torch.compile(update, backend=compiler), warmup=warmup)
+    for step in range(8):
+        if step == 5:  # a tensor learning rate still takes effect through the compiled step
+            for optimizer in (opt, twin_opt):
+                optimizer.param_groups[0]["lr"].fill_(0.05)
+        td = TensorDict(
+            obs=backend.randn(64, 3),
+            next_obs=backend.randn(64, 3),
+            reward=backend.randn(64, 1),
+            batch_size=[64],
+        )
+        torch.testing.assert_close(graphed(td)["loss"], twin_update(td)["loss"], msg=f"step {step}")
+    assert graphed.is_captured
+    for p, q in zip(net.parameters(), twin_net.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)

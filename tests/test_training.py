@@ -1,0 +1,78 @@
+"""How a captured training step finds the optimizers and parameters that it depends on."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from cudagraph_td._training import find_state
+
+NET = nn.Linear(2, 2)
+OPT = torch.optim.SGD(NET.parameters(), lr=0.1)
+
+
+def _global_step(x: torch.Tensor) -> None:
+    OPT.zero_grad()
+    NET(x).sum().backward()
+    OPT.step()
+
+
+class Agent:
+    def __init__(self) -> None:
+        self.nets = {"actor": nn.Linear(2, 2)}
+        self.opts = [torch.optim.Adam(self.nets["actor"].parameters())]
+
+    def update(self, x: torch.Tensor) -> None:
+        self.opts[0].step()
+
+
+def _closure() -> tuple[Any, str, torch.optim.Optimizer, str, nn.Module]:
+    net = nn.Linear(2, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor) -> None:
+        opt.zero_grad()
+        net(x).sum().backward()
+        opt.step()
+
+    return step, "opt", opt, "net", net
+
+
+def _method() -> tuple[Any, str, torch.optim.Optimizer, str, nn.Module]:
+    agent = Agent()
+    return agent.update, "self.opts[0]", agent.opts[0], "self.nets.actor", agent.nets["actor"]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: (_global_step, "OPT", OPT, "NET", NET), id="globals"),
+        pytest.param(_closure, id="closure"),
+        pytest.param(_method, id="method"),
+        pytest.param(
+            lambda: (functools.partial(_global_step), "OPT", OPT, "NET", NET), id="partial"
+        ),
+        pytest.param(  # functools.wraps, as torch.compile does
+            lambda: (functools.wraps(_global_step)(lambda x: x), "OPT", OPT, "NET", NET),
+            id="wrapped",
+        ),
+    ],
+)
+def test_find_state_names_what_the_function_reaches(make: Any) -> None:
+    fn, opt_path, optimizer, module_path, module = make()
+    optimizers, modules = find_state(fn)
+    assert optimizers[opt_path] is optimizer
+    assert modules[module_path] is module
+
+
+def test_find_state_skips_data_and_stops() -> None:
+    big = {"tensors": [torch.zeros(1)] * 100_000, "text": "x" * 10}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x + big["tensors"][0]
+
+    assert find_state(fn) == ({}, {})
