@@ -51,7 +51,8 @@ class CudaGraphModule:
     Args:
         module: The function, :class:`torch.nn.Module` or TensorDictModule to capture.
         warmup: The call that captures the graph; the calls before it are eager warm-ups.
-            A ``torch.compile``d function needs enough warm-up calls to finish compiling.
+            A ``torch.compile``d function needs enough warm-up calls to finish compiling:
+            ``warmup=3`` (see [training steps][with-torchcompile]).
         in_keys: The input keys, for a module that takes a TensorDict. Taken from
             ``module.in_keys`` when the module has them.
         out_keys: The output keys, for a module that returns a TensorDict. Taken from

@@ -74,10 +74,12 @@ def test_whole_step_tracks_the_eager_twin(backend: Backend, optimizer: str) -> N
 
 
 def test_tensor_learning_rate_changes_take_effect(backend: Backend) -> None:
-    def make() -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
+    def make() -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, Any]:
         w = torch.zeros(3, device=backend.device, requires_grad=True)
         lr = torch.tensor(0.1, device=backend.device)
         opt = torch.optim.Adam([w], lr=lr, capturable=backend.name == "cuda")
+        # A scheduler writes into a tensor learning rate in place.
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
         def step(x: torch.Tensor) -> torch.Tensor:
             opt.zero_grad(set_to_none=False)
@@ -85,17 +87,20 @@ def test_tensor_learning_rate_changes_take_effect(backend: Backend) -> None:
             opt.step()
             return w.detach().clone()
 
-        return step, lr
+        return step, lr, scheduler
 
-    step, lr = make()
-    twin, twin_lr = make()
+    step, lr, scheduler = make()
+    twin, twin_lr, twin_scheduler = make()
     graphed = backend.wrap(step, warmup=2)
-    for i in range(8):
-        if i == 5:  # changed in place, as a scheduler writing into a tensor lr does
+    for i in range(10):
+        if i == 7:  # by hand, in place
             lr.fill_(0.5)
             twin_lr.fill_(0.5)
         x = backend.randn(3)
-        torch.testing.assert_close(graphed(x), twin(x))
+        torch.testing.assert_close(graphed(x), twin(x), msg=f"call {i}")
+        scheduler.step()
+        twin_scheduler.step()
+    assert lr.item() == twin_lr.item() == 0.5 * 0.5**2  # the hand-set value, halved twice
 
 
 def test_optimizer_without_capturable_is_explained(cuda: Backend) -> None:
