@@ -1,0 +1,188 @@
+"""Tables, target checks and a chart from the benchmark's results.
+
+python benchmarks/report.py docs/benchmarks/h100.json   # re-render .md and .png
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+from typing import Any
+
+OURS, FLOOR, TD = "cudagraph_td", "floor", "tensordict"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "" if a is None or b is None else f"{a / b:.2f}"
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """One row per workload and variant: median µs per call, and ratios."""
+    lines = [
+        "| workload | variant | µs/call (median) | / floor | / tensordict |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for result in results:
+        medians = result["median_us"]
+        floor, td = medians.get(FLOOR), medians.get(TD)
+        for variant, us in medians.items():
+            name = f"**{variant}**" if variant.startswith(OURS) else variant
+            lines.append(
+                f"| {result['workload']} | {name} | {us:.1f} | {_ratio(us, floor)} | "
+                f"{_ratio(us, td)} |"
+            )
+        for variant, why in result.get("skipped", {}).items():
+            lines.append(f"| {result['workload']} | {variant} | n/a: {why} | | |")
+    return "\n".join(lines)
+
+
+def capture_table(captures: list[dict[str, Any]]) -> str:
+    lines = [
+        "| workload | wrapper | ms to first replay | GPU MiB allocated | GPU MiB reserved |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for entry in captures:
+        for wrapper, cost in entry["capture"].items():
+            if "error" in cost:
+                lines.append(f"| {entry['workload']} | {wrapper} | {cost['error']} | | |")
+                continue
+            lines.append(
+                f"| {entry['workload']} | {wrapper} | {cost['ms']:.1f} | "
+                f"{cost['allocated_mib']:.1f} | {cost['reserved_mib']:.1f} |"
+            )
+    return "\n".join(lines)
+
+
+def targets(results: list[dict[str, Any]]) -> list[tuple[str, bool | None, str]]:
+    """The issue's targets: (target, met (None: not measured), the numbers)."""
+    by_name = {r["workload"]: r["median_us"] for r in results}
+    checks: list[tuple[str, bool | None, str]] = []
+
+    def ratio(workload: str, a: str, b: str) -> float | None:
+        medians = by_name.get(workload, {})
+        return medians[a] / medians[b] if a in medians and b in medians else None
+
+    for workload in ("a. tiny op", "c. policy, TensorDict", "c. policy, keywords"):
+        r = ratio(workload, OURS, FLOOR)
+        checks.append(
+            (
+                f"{workload}: cudagraph_td / floor <= 1.05",
+                None if r is None else r <= 1.05,
+                f"{r:.3f}" if r else "",
+            )
+        )
+    r = ratio("b. 32 leaves", OURS, FLOOR)
+    checks.append(
+        (
+            "b. 32 leaves: cudagraph_td / floor <= 1.0",
+            None if r is None else r <= 1.0,
+            f"{r:.3f}" if r else "",
+        )
+    )
+    for workload in ("c. policy, TensorDict", "c. policy, keywords"):
+        r = ratio(workload, TD, OURS)
+        checks.append(
+            (
+                f"{workload}: tensordict / cudagraph_td >= 1.3",
+                None if r is None else r >= 1.3,
+                f"{r:.2f}x" if r else "",
+            )
+        )
+    slower = [
+        f"{w} ({m[OURS] / m[TD]:.2f})"
+        for w, m in by_name.items()
+        if OURS in m and TD in m and m[OURS] > m[TD]
+    ]
+    compared = [w for w, m in by_name.items() if OURS in m and TD in m]
+    checks.append(
+        (
+            "cudagraph_td never slower than tensordict",
+            None if not compared else not slower,
+            ", ".join(slower) if slower else f"faster on all {len(compared)} workloads",
+        )
+    )
+    return checks
+
+
+def markdown(data: dict[str, Any]) -> str:
+    meta = data["meta"]
+    lines = [
+        f"# Benchmark: {meta['device']}",
+        "",
+        f"torch {meta['torch']}, tensordict {meta['tensordict']}, cudagraph_td "
+        f"{meta['cudagraph_td']}, Python {meta['python']}, {meta['date']}. Produced by "
+        f"`{meta['command']}`: the median of {meta['repeats']} interleaved rounds.",
+        "",
+        "## Time per call",
+        "",
+        table(data["results"]),
+        "",
+        "## Targets",
+        "",
+        "| target | met | measured |",
+        "| --- | --- | --- |",
+    ]
+    for target, met, numbers in targets(data["results"]):
+        mark = "not measured" if met is None else ("yes" if met else "**no**")
+        lines.append(f"| {target} | {mark} | {numbers} |")
+    lines += [
+        "",
+        "## Capture cost (construction to first replay)",
+        "",
+        capture_table(data["capture"]),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def chart(data: dict[str, Any], path: pathlib.Path) -> str:
+    """A bar chart of each variant's time relative to the floor; returns what it did."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return (
+            f"matplotlib is not installed: no chart. Render it elsewhere with "
+            f"`python benchmarks/report.py {path.with_suffix('.json')}`."
+        )
+    results = [r for r in data["results"] if FLOOR in r["median_us"]]
+    variants = [
+        v
+        for v in ("eager", TD, "compile", OURS, f"{OURS} (module)")
+        if any(v in r["median_us"] for r in results)
+    ]
+    fig, ax = plt.subplots(figsize=(11, 4.8))
+    width = 0.8 / len(variants)
+    for i, variant in enumerate(variants):
+        xs, ys = [], []
+        for j, r in enumerate(results):
+            if variant in r["median_us"]:
+                xs.append(j + (i - (len(variants) - 1) / 2) * width)
+                ys.append(r["median_us"][variant] / r["median_us"][FLOOR])
+        ax.bar(xs, ys, width, label=variant)
+    ax.axhline(
+        1.0, color="black", linewidth=0.8, linestyle="--", label="floor (hand-written graph)"
+    )
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(results)), [r["workload"] for r in results], rotation=15, ha="right")
+    ax.set_ylabel("time per call / floor (log scale, lower is better)")
+    ax.set_title(f"{data['meta']['device']}: time per call relative to a hand-written graph")
+    ax.legend(fontsize=8, ncols=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return f"chart written to {path}"
+
+
+def main() -> None:
+    path = pathlib.Path(sys.argv[1])
+    data = json.loads(path.read_text())
+    path.with_suffix(".md").write_text(markdown(data))
+    print(markdown(data))
+    print(chart(data, path.with_suffix(".png")))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""Time every workload of ``workloads.py`` through every tool, side by side.
+
+    python benchmarks/run.py                  # all workloads, results in benchmarks/results/
+    python benchmarks/run.py --out docs/benchmarks --name h100
+
+Per workload, the variants are built (warm-up, compilation and capture happen here, untimed),
+then timed in ``--repeats`` rounds. Each round times every variant once, in a rotated
+order, so that drift of the machine (clocks, other processes) hits all variants alike. A
+timing is the wall time of ``--calls`` back-to-back calls followed by one synchronisation,
+divided by the number of calls: the cost of a call in a loop, which for these launch-bound
+workloads is the CPU's. The table reports the median over the rounds, and ratios to the
+hand-written floor and to tensordict's ``CudaGraphModule``.
+
+Then the capture cost: for each wrapper, the time and the GPU memory from its construction
+to its first replay, each wrapper built fresh after the others were freed.
+
+On a machine without CUDA there is no graph to time: the script says so and times the
+eager function against the wrappers' eager fallbacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import tensordict
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent))
+
+import report
+import workloads
+
+import cudagraph_td
+
+# Workloads timed without autograd (a policy in a collector); the others train.
+NO_GRAD = ("a.", "b.", "c.")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_calls(call: Callable[[], Any], calls: int) -> float:
+    """Microseconds per call over ``calls`` back-to-back calls."""
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    sync()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def grad_context(workload: workloads.Workload) -> AbstractContextManager[Any]:
+    return torch.no_grad() if workload.name.startswith(NO_GRAD) else nullcontext()
+
+
+def build(
+    workload: workloads.Workload, only: set[str] | None
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Build the variants, run each a few times (warm-up, capture); return them and the skips."""
+    calls: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    for name, make in workload.variants.items():
+        if only is not None and name not in only:
+            continue
+        try:
+            call = make()
+            for _ in range(5):  # past any warm-up, capture or compilation
+                call()
+            sync()
+        except Exception as err:  # a tool that cannot run this workload
+            skipped[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            traceback.print_exc(limit=2, file=sys.stderr)
+            continue
+        calls[name] = call
+    return calls, skipped
+
+
+def measure(workload: workloads.Workload, args: argparse.Namespace) -> dict[str, Any]:
+    only = set(args.variants.split(",")) if args.variants else None
+    with grad_context(workload):
+        calls, skipped = build(workload, only)
+        per_call = max(1e-6, time_calls(calls["eager"], 20) / 1e6)
+        n = max(20, min(args.calls, int(args.seconds / per_call)))
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        names = list(calls)
+        for r in range(args.repeats):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            for name in order:
+                times[name].append(time_calls(calls[name], n))
+    del calls
+    gc.collect()
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    return {
+        "workload": workload.name,
+        "description": workload.description,
+        "calls_per_timing": n,
+        "median_us": medians,
+        "all_us": times,
+        "skipped": skipped,
+    }
+
+
+def capture_cost(workload: workloads.Workload) -> dict[str, Any]:
+    """Time and GPU memory from construction to the first replay, per wrapper."""
+    costs: dict[str, Any] = {}
+    with grad_context(workload):
+        for name, make in workload.captures.items():
+            gc.collect()
+            torch.cuda.empty_cache()
+            sync()
+            allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+            start = time.perf_counter()
+            try:
+                call = make()
+                for _ in range(3):  # warmup=2: a warm-up, the capture, the first replay
+                    call()
+                sync()
+            except Exception as err:
+                costs[name] = {"error": f"{type(err).__name__}: {str(err)[:160]}"}
+                continue
+            costs[name] = {
+                "ms": (time.perf_counter() - start) * 1e3,
+                "allocated_mib": (torch.cuda.memory_allocated() - allocated) / 2**20,
+                "reserved_mib": (torch.cuda.memory_reserved() - reserved) / 2**20,
+            }
+            del call
+    return {"workload": workload.name, "capture": costs}
+
+
+def cpu_fallback(args: argparse.Namespace) -> None:
+    print(
+        "CUDA graphs need CUDA, which this machine lacks: timing the eager function against "
+        "the wrappers' eager fallbacks (no graph is captured)."
+    )
+    x = torch.randn(16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # each wrapper's warning says what this script said
+        variants = {
+            "eager": lambda t: t + 1,
+            "cudagraph_td": cudagraph_td.CudaGraphModule(lambda t: t + 1),
+            "tensordict": tensordict.nn.CudaGraphModule(lambda t: t + 1),
+        }
+    for name, fn in variants.items():
+        us = statistics.median(
+            time_calls(lambda fn=fn: fn(x), args.calls) for _ in range(args.repeats)
+        )
+        print(f"  {name:13} {us:8.2f} us/call  (tiny op, eager fallback)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results", help="folder for the results")
+    parser.add_argument("--name", default="results", help="file name of the results, no suffix")
+    parser.add_argument("--repeats", type=int, default=7, help="rounds of timings")
+    parser.add_argument("--calls", type=int, default=2000, help="most calls per timing")
+    parser.add_argument("--seconds", type=float, default=0.05, help="target seconds per timing")
+    parser.add_argument("--workloads", default="", help="comma-separated name prefixes (a,b,...)")
+    parser.add_argument("--variants", default="", help="comma-separated variants (default all)")
+    parser.add_argument("--no-compile", action="store_true", help="leave out torch.compile")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        cpu_fallback(args)
+        return
+    if args.no_compile:
+        args.variants = args.variants or "eager,floor,tensordict,cudagraph_td,cudagraph_td (module)"
+    device = torch.device("cuda")
+    chosen = tuple(p.strip() for p in args.workloads.split(",") if p.strip())
+    results, captures = [], []
+    for workload in workloads.all_workloads(device):
+        if chosen and not workload.name.startswith(chosen):
+            continue
+        print(f"== {workload.name}", flush=True)
+        results.append(measure(workload, args))
+        captures.append(capture_cost(workload))
+        print(report.table([results[-1]]), flush=True)
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "tensordict": tensordict.__version__,
+        "cudagraph_td": cudagraph_td.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "python " + " ".join(sys.argv),
+        "repeats": args.repeats,
+    }
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = {"meta": meta, "results": results, "capture": captures}
+    (out / f"{args.name}.json").write_text(json.dumps(data, indent=1))
+    (out / f"{args.name}.md").write_text(report.markdown(data))
+    print(report.markdown(data))
+    print(report.chart(data, out / f"{args.name}.png"))
+
+
+if __name__ == "__main__":
+    main()
