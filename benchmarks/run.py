@@ -21,6 +21,7 @@ eager function against the wrappers' eager fallbacks.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import pathlib
@@ -173,6 +174,7 @@ def main() -> None:
     parser.add_argument("--variants", default="", help="comma-separated variants (default all)")
     parser.add_argument("--no-compile", action="store_true", help="leave out torch.compile")
     args = parser.parse_args()
+    faulthandler.enable()  # a crash inside a tool prints where it happened
     if not torch.cuda.is_available():
         cpu_fallback(args)
         return

@@ -17,6 +17,12 @@ from . import _errors, _training, _tree
 from ._backend import Backend, Graph
 from ._signature import Signature, validate
 
+# Results of at most this many bytes come back as views of one new buffer per dtype, filled
+# by one multi-tensor copy: one allocation and one kernel launch per call instead of one of
+# each per output. Larger results are cloned output by output, so that one output kept
+# alive does not hold the memory of all the others.
+_PACK_LIMIT_BYTES = 1 << 24
+
 
 class Outputs:
     """How to turn the graph's static outputs into a result in fresh memory."""
@@ -31,16 +37,45 @@ class Outputs:
                 raise _errors.outputs_require_grad(name, paths[i])
             if t.device != device:
                 raise _errors.cpu_output(name, paths[i], t.device)
+        self.device = device
         # The constants of the result; its tensors are filled in at each call.
         self.template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         self.single_tensor = self.spec.is_leaf() and bool(self.static)
         self.all_tensors = len(self.static) == len(leaves)
+        # (dtype, numel, indices of its outputs, those outputs): one buffer per dtype.
+        self._groups: list[tuple[torch.dtype, int, list[int], list[torch.Tensor]]] = []
+        packable = (
+            len(self.static) > 1
+            and all(t.is_contiguous() and not t.requires_grad for t in self.static)
+            and sum(t.numel() * t.element_size() for t in self.static) <= _PACK_LIMIT_BYTES
+        )
+        if packable:
+            for dtype in dict.fromkeys(t.dtype for t in self.static):
+                indices = [i for i, t in enumerate(self.static) if t.dtype == dtype]
+                tensors = [self.static[i] for i in indices]
+                self._groups.append((dtype, sum(t.numel() for t in tensors), indices, tensors))
 
     def fresh(self) -> Any:
         """The result of the last replay, in memory that no later replay writes."""
         if self.single_tensor:  # the most common result, without a tree to rebuild
             return self.static[0].clone()
-        return self.rebuild([t.clone() for t in self.static])
+        return self.rebuild(self.fresh_tensors())
+
+    def fresh_tensors(self) -> list[torch.Tensor]:
+        """Copies of the static output tensors, in their order."""
+        if not self._groups:
+            return [t.clone() for t in self.static]
+        if len(self._groups) == 1:  # one dtype: the views come in the outputs' order
+            dtype, numel, _, tensors = self._groups[0]
+            fresh = list(_views(torch.empty(numel, dtype=dtype, device=self.device), tensors))
+        else:
+            fresh = list(self.static)
+            for dtype, numel, indices, tensors in self._groups:
+                views = _views(torch.empty(numel, dtype=dtype, device=self.device), tensors)
+                for i, view in zip(indices, views, strict=True):
+                    fresh[i] = view
+        torch._foreach_copy_(fresh, self.static)
+        return fresh
 
     def rebuild(self, tensors: list[torch.Tensor]) -> Any:
         """The result tree, with ``tensors`` in place of the static output tensors."""
@@ -50,6 +85,11 @@ class Outputs:
         for i, t in zip(self.tensor_index, tensors, strict=True):
             leaves[i] = t
         return optree.tree_unflatten(self.spec, leaves)
+
+
+def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Consecutive views of ``flat`` shaped as the tensors of ``like``, made in one C++ call."""
+    return torch._utils._unflatten_dense_tensors(flat, like)  # type: ignore[no-any-return]
 
 
 class CapturedCall:
@@ -66,23 +106,37 @@ class CapturedCall:
         self.signature = signature
         self.graph = graph
         self.outputs = outputs
-        # Decided here so that the replay reads attributes instead of recomputing them.
-        self._match = signature.match
-        self._static_inputs = signature.static_inputs
-        self._mutated = mutated
-        self._mutated_static = [signature.static_inputs[i] for i in mutated]
-        self._watch = watch
+        self.mutated = mutated
+        self.watch = watch
+        self.replay = self._replay_function()
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        tensors = self._match(args, kwargs)
-        if self._watch is not None:  # a training step: its gradients and hyperparameters
-            self._watch()
-        if tensors:
-            torch._foreach_copy_(self._static_inputs, tensors)
-        self.graph.replay()
-        if self._mutated:  # in-place updates of inputs reach the caller, as in eager
-            torch._foreach_copy_([tensors[i] for i in self._mutated], self._mutated_static)
-        return self.outputs.fresh()
+        return self.replay(args, kwargs)
+
+    def _replay_function(self) -> Callable[[tuple[Any, ...], dict[str, Any]], Any]:
+        """The replay hot path: one flat function whose state, decided here, are locals."""
+        match = self.signature.match
+        static_inputs = self.signature.static_inputs
+        replay_graph = self.graph.replay
+        mutated = self.mutated
+        mutated_static = [static_inputs[i] for i in mutated]
+        watch = self.watch
+        fresh = self.outputs.fresh
+        if self.outputs.single_tensor:  # the most common result: no tree to rebuild
+            fresh = self.outputs.static[0].clone
+
+        def replay(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            tensors = match(args, kwargs)
+            if watch is not None:  # a training step: its gradients and hyperparameters
+                watch()
+            if tensors:
+                torch._foreach_copy_(static_inputs, tensors)
+            replay_graph()
+            if mutated:  # in-place updates of inputs reach the caller, as in eager
+                torch._foreach_copy_([tensors[i] for i in mutated], mutated_static)
+            return fresh()
+
+        return replay
 
 
 def capture(
@@ -174,6 +228,9 @@ class GraphRunner:
         self.backend: Backend | None = None
         self.counter = 0
         self.captured: Callable[[tuple[Any, ...], dict[str, Any]], Any] | None = None
+        # What the owner calls to replay, once captured: ``captured`` itself, or a layer's
+        # faster path around it (see `CudaGraphModule.__call__`).
+        self.replay: Callable[[tuple[Any, ...], dict[str, Any]], Any] | None = None
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         captured = self.captured

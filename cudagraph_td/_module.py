@@ -156,11 +156,32 @@ class CudaGraphModule:
         return (interaction_type(), torch.is_grad_enabled(), getattr(self.module, "training", None))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._mode() != self._key:
+        # The replay path: the mode (see `_mode`, inlined: one call less per replay), then the
+        # captured graph's own replay. Everything else goes through `_call`.
+        mode = (interaction_type(), torch.is_grad_enabled(), getattr(self.module, "training", None))
+        if mode == self._key:
+            replay = self._runner.replay
+            if replay is not None:
+                out = replay(args, kwargs)
+                if out is not _tdmodule.NOT_HANDLED:
+                    return out
+        else:
             self._switch_runner()
+        return self._call(args, kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call that warms up or captures the graph, or that the replay path left over."""
+        runner = self._runner
         if self._td_call is not None:
-            return self._td_call.call(*args, **kwargs)
-        return self._runner.run(args, kwargs)
+            out = self._td_call.call(*args, **kwargs)
+            if runner.captured is not None and runner.replay is None:
+                runner.replay = self._td_call.replay_path(runner.captured)
+            return out
+        out = runner.run(args, kwargs)
+        if runner.replay is None and runner.captured is not None:
+            # The captured call's own hot path, without the call through its __call__.
+            runner.replay = getattr(runner.captured, "replay", runner.captured)
+        return out
 
     def _new_runner(self) -> _graph.GraphRunner:
         make_backend = None

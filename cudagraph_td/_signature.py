@@ -95,6 +95,13 @@ class Signature:
         # The captured inputs as the user passed them, kept for error messages; the function
         # gets trees of its own (see static_tree), which it may change (write TensorDict keys).
         self.static_args, self.static_kwargs = self.static_tree()
+        # A call of positional tensors only, the commonest, is checked without flattening:
+        # the arguments are the tensor leaves. The type is compared too, so that a
+        # TensorDict passed where the capture had a tensor goes to the full check.
+        self._positional = (
+            bool(args) and not kwargs and self.all_tensors and len(args) == len(leaves)
+        )
+        self._typed = [(type(t), *meta) for t, meta in zip(args, self.expected, strict=False)]
 
     def static_tree(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """New containers (tuples, dicts, TensorDicts) around the graph's static input tensors."""
@@ -107,6 +114,13 @@ class Signature:
             ValueError, KeyError, RuntimeError: The call differs from the capture; the error
                 names the leaf (see :meth:`diagnose`).
         """
+        if self._positional and not kwargs and len(args) == len(self._typed):
+            try:
+                typed = [(type(t), t.shape, t.dtype, t.device, t.requires_grad) for t in args]
+            except AttributeError:
+                typed = []
+            if typed == self._typed:
+                return args  # type: ignore[return-value]  # a tuple serves as a list here
         tree: Any = (args, kwargs)
         leaves, spec = optree.tree_flatten(tree, namespace=_tree.NAMESPACE)
         if spec != self.spec:

@@ -14,12 +14,14 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tensordict import TensorDictBase, unravel_key
+import torch
+from tensordict import TensorDict, TensorDictBase, unravel_key
 from tensordict.base import is_tensor_collection
 from tensordict.nn import dispatch
 
 from . import _errors
 from ._graph import GraphRunner
+from ._tree import walk_leaves
 
 
 class _WroteInput:
@@ -30,6 +32,9 @@ class _WroteInput:
 
 
 WROTE_INPUT = _WroteInput()
+
+NOT_HANDLED: Any = object()
+"""What a replay path returns for a call it leaves to the full path."""
 
 
 def resolve_keys(name: str, module: Any, in_keys: Any, out_keys: Any) -> tuple[Any, Any]:
@@ -95,6 +100,7 @@ class TensorDictCall:
     ):
         self.name = name
         self.in_keys = [unravel_key(key) for key in in_keys]
+        self.out_keys = [unravel_key(key) for key in out_keys]
         self.current_runner = current_runner
         # tensordict's own dispatch turns keyword tensors into a TensorDict and the result
         # into the out_keys' values, exactly as a TensorDictModule's forward does. Without
@@ -135,3 +141,118 @@ class TensorDictCall:
         if tensordict_out is not None and is_tensor_collection(out):
             return tensordict_out.update(out)
         return out
+
+    def replay_path(self, captured: Any) -> Callable[[tuple[Any, ...], dict[str, Any]], Any]:
+        """The replay path of a captured module, for its two common calls.
+
+        ``module(td)`` with a TensorDict, and ``module(**tensors)`` with keyword tensors named
+        by the ``in_keys``: their ``in_keys`` entries are checked and copied straight into
+        the graph's buffers, and the entries the module wrote are set into ``td`` (or
+        returned, for a keyword call) in fresh memory, without building TensorDicts around
+        them. Any other call, or one whose inputs differ from the capture, returns
+        :data:`NOT_HANDLED` and takes the full path, which raises the right error.
+        """
+        layout = _Layout.of(captured)
+        if layout is None:
+            return _not_handled
+        in_keys, out_keys, batch_size = layout.in_keys, layout.out_keys, layout.batch_size
+        expected, static_inputs = captured.signature.expected, captured.signature.static_inputs
+        replay_graph, fresh_tensors = captured.graph.replay, captured.outputs.fresh_tensors
+        # A keyword call builds a TensorDict of batch size [] (tensordict's dispatch): it
+        # matches a graph captured from one. Its names join nested keys with "_".
+        names = ["_".join(key) for key in layout.in_paths] if batch_size == () else None
+        name_set = set(names or ())
+        # Where each returned out_key is among the written entries (keyword calls); the
+        # out-key "_" marks an output that is not returned, as in tensordict.
+        written = {key: i for i, key in enumerate(layout.out_paths)}
+        returned = [_key_tuple(key) for key in self.out_keys if key != "_"]
+        dest = [written[key] for key in returned if key in written]
+        if len(dest) != len(returned):
+            names = None
+
+        def replay(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            td = None
+            if kwargs:
+                if args or names is None or kwargs.keys() != name_set:
+                    return NOT_HANDLED
+                tensors = [kwargs[name] for name in names]
+            else:
+                if len(args) != 1:
+                    return NOT_HANDLED
+                td = args[0]
+                if type(td) is not TensorDict or td.batch_size != batch_size:
+                    return NOT_HANDLED
+                try:
+                    tensors = [td.get(key) for key in in_keys]
+                except KeyError:
+                    return NOT_HANDLED
+            try:
+                if [(t.shape, t.dtype, t.device, t.requires_grad) for t in tensors] != expected:
+                    return NOT_HANDLED
+            except AttributeError:  # a non-tensor entry
+                return NOT_HANDLED
+            torch._foreach_copy_(static_inputs, tensors)
+            replay_graph()
+            fresh = fresh_tensors()
+            if td is None:  # as tensordict's dispatch returns the out_keys' values
+                values = tuple(fresh[i] for i in dest)
+                return values[0] if len(values) == 1 else values
+            for key, value in zip(out_keys, fresh, strict=True):
+                td.set(key, value)
+            return td
+
+        return replay
+
+
+def _not_handled(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return NOT_HANDLED
+
+
+def _key_tuple(key: Any) -> tuple[str, ...]:
+    return (key,) if isinstance(key, str) else tuple(key)
+
+
+class _Layout:
+    """Where a captured module's tensors are, as keys: its inputs and the entries it wrote."""
+
+    def __init__(
+        self, in_paths: list[tuple[str, ...]], out_paths: list[tuple[str, ...]], batch_size: Any
+    ):
+        self.in_paths = in_paths
+        self.out_paths = out_paths
+        # As TensorDict keys: single-key tuples as plain strings, the faster lookups.
+        self.in_keys = [key[0] if len(key) == 1 else key for key in in_paths]
+        self.out_keys = [key[0] if len(key) == 1 else key for key in out_paths]
+        self.batch_size = batch_size
+
+    @classmethod
+    def of(cls, captured: Any) -> _Layout | None:
+        """The layout of a plain graph of ``module(td)`` that wrote into ``td``, else None."""
+        from ._graph import CapturedCall
+
+        if not isinstance(captured, CapturedCall) or captured.watch is not None or captured.mutated:
+            return None
+        signature, outputs = captured.signature, captured.outputs
+        if signature.static_kwargs or len(signature.static_args) != 1:
+            return None
+        selected = signature.static_args[0]
+        result = outputs.rebuild(outputs.static)
+        if type(selected) is not TensorDict or not (
+            isinstance(result, tuple) and len(result) == 2 and result[0] is WROTE_INPUT
+        ):
+            return None
+        in_keys = _tensor_keys(selected)
+        out_keys = _tensor_keys(result[1])
+        if in_keys is None or out_keys is None:
+            return None
+        return cls(in_keys, out_keys, selected.batch_size)
+
+
+def _tensor_keys(td: Any) -> list[tuple[str, ...]] | None:
+    """The keys of the leaves of ``td`` in flattening order, or None if one is not a tensor."""
+    keys = []
+    for path, leaf in walk_leaves(td):
+        if not isinstance(leaf, torch.Tensor):
+            return None
+        keys.append(tuple(entry for _, entry in path))
+    return keys
