@@ -265,6 +265,9 @@ def sac_update(device: torch.device) -> Workload:
                 {k: t.clone() for k, t in zip(out_keys, out_tensors, strict=True)}, batch_size=[]
             )
 
+        # The graph reads and writes the agent's parameters, gradients and optimizer state
+        # at their captured addresses: the agent must live as long as the graph.
+        call.agent = update.__self__  # type: ignore[attr-defined]
         return call
 
     def call(f: Callable[..., Any]) -> Call:

@@ -125,8 +125,30 @@ class CapturedCall:
         if self.outputs.single_tensor:  # the most common result: no tree to rebuild
             fresh = self.outputs.static[0].clone
 
+        positional = self.signature.positional_types
+        n_positional = -1 if positional is None else len(positional)
+        first = None if positional is None else positional[0]
+
         def replay(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            tensors = match(args, kwargs)
+            # Positional tensors, the commonest call, are checked here, in the fewest
+            # attribute reads (see `quick_meta`); any other call, and any mismatch, goes to
+            # the full check, which flattens the inputs and raises the error that names the leaf.
+            tensors: Any = None
+            if not kwargs and len(args) == n_positional:
+                try:
+                    if n_positional == 1:  # one tensor: no list to build
+                        t = args[0]
+                        same = (type(t), t.shape, t.dtype, t.get_device(), t.requires_grad) == first
+                    else:
+                        same = [
+                            (type(t), t.shape, t.dtype, t.get_device(), t.requires_grad)
+                            for t in args
+                        ] == positional
+                    tensors = args if same else None
+                except AttributeError:  # a non-tensor where the capture had a tensor
+                    pass
+            if tensors is None:
+                tensors = match(args, kwargs)
             if watch is not None:  # a training step: its gradients and hyperparameters
                 watch()
             if tensors:

@@ -13,6 +13,7 @@ from tensordict.nn.probabilistic import interaction_type
 
 from . import _graph, _tdmodule
 from ._backend import Backend, check_options, make_backend
+from ._tdmodule import NOT_HANDLED
 
 BackendName = Literal["auto", "cuda", "emulate"]
 
@@ -149,6 +150,7 @@ class CudaGraphModule:
         # samples when called for its mode), grad mode (a graph captured for autograd under
         # grad mode, a plain one under no_grad) and a module's training mode (dropout).
         self._runners: dict[tuple[Any, bool, Any], _graph.GraphRunner] = {}
+        self._has_training = hasattr(module, "training")
         self._key = self._mode()
         self._runner = self._new_runner()
 
@@ -158,12 +160,12 @@ class CudaGraphModule:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # The replay path: the mode (see `_mode`, inlined: one call less per replay), then the
         # captured graph's own replay. Everything else goes through `_call`.
-        mode = (interaction_type(), torch.is_grad_enabled(), getattr(self.module, "training", None))
-        if mode == self._key:
+        training = self.module.training if self._has_training else None
+        if (interaction_type(), torch.is_grad_enabled(), training) == self._key:
             replay = self._runner.replay
             if replay is not None:
                 out = replay(args, kwargs)
-                if out is not _tdmodule.NOT_HANDLED:
+                if out is not NOT_HANDLED:
                     return out
         else:
             self._switch_runner()

@@ -26,6 +26,16 @@ def tensor_meta(t: torch.Tensor) -> TensorMeta:
     return (t.shape, t.dtype, t.device, t.requires_grad)
 
 
+def quick_meta(t: torch.Tensor) -> tuple[type, torch.Size, torch.dtype, int, bool]:
+    """What the replay compares of a positional tensor, in its cheapest attribute reads.
+
+    ``get_device()`` (an int: the CUDA index, ``-1`` on the CPU) costs less than ``device``,
+    which builds a new object at each read. The type tells a tensor from a TensorDict.
+    The replay inlines this expression: keep both the same.
+    """
+    return (type(t), t.shape, t.dtype, t.get_device(), t.requires_grad)
+
+
 def _comparable(value: Any) -> bool:
     try:
         return isinstance(value == value, bool)
@@ -98,10 +108,8 @@ class Signature:
         # A call of positional tensors only, the commonest, is checked without flattening:
         # the arguments are the tensor leaves. The type is compared too, so that a
         # TensorDict passed where the capture had a tensor goes to the full check.
-        self._positional = (
-            bool(args) and not kwargs and self.all_tensors and len(args) == len(leaves)
-        )
-        self._typed = [(type(t), *meta) for t, meta in zip(args, self.expected, strict=False)]
+        positional = bool(args) and not kwargs and all(isinstance(a, torch.Tensor) for a in args)
+        self.positional_types = [quick_meta(t) for t in args] if positional else None
 
     def static_tree(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """New containers (tuples, dicts, TensorDicts) around the graph's static input tensors."""
@@ -114,13 +122,6 @@ class Signature:
             ValueError, KeyError, RuntimeError: The call differs from the capture; the error
                 names the leaf (see :meth:`diagnose`).
         """
-        if self._positional and not kwargs and len(args) == len(self._typed):
-            try:
-                typed = [(type(t), t.shape, t.dtype, t.device, t.requires_grad) for t in args]
-            except AttributeError:
-                typed = []
-            if typed == self._typed:
-                return args  # type: ignore[return-value]  # a tuple serves as a list here
         tree: Any = (args, kwargs)
         leaves, spec = optree.tree_flatten(tree, namespace=_tree.NAMESPACE)
         if spec != self.spec:
