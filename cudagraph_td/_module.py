@@ -160,7 +160,7 @@ class CudaGraphModule:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # The replay path: the mode (see `_mode`, inlined: one call less per replay), then the
         # captured graph's own replay. Everything else goes through `_call`.
-        training = self.module.training if self._has_training else None
+        training = self.module.training if self._has_training else None  # type: ignore[attr-defined]
         if (interaction_type(), torch.is_grad_enabled(), training) == self._key:
             replay = self._runner.replay
             if replay is not None:
