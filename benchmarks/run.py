@@ -5,11 +5,17 @@
 
 Per workload, the variants are built (warm-up, compilation and capture happen here, untimed),
 then timed in ``--repeats`` rounds. Each round times every variant once, in a rotated
-order, so that drift of the machine (clocks, other processes) hits all variants alike. A
-timing is the wall time of ``--calls`` back-to-back calls followed by one synchronisation,
-divided by the number of calls: the cost of a call in a loop, which for these launch-bound
-workloads is the CPU's. The table reports the median over the rounds, and ratios to the
-hand-written floor and to tensordict's ``CudaGraphModule``.
+order, so that drift of the machine (clocks, other processes) hits all variants alike.
+Two timings per variant and round:
+
+- *wall*: ``--calls`` back-to-back calls followed by one synchronisation, divided by the
+  number of calls: the cost of a call in a loop, the larger of its CPU and GPU times;
+- *CPU*: the same calls in short bursts that never fill the GPU's launch queue: the time
+  the CPU spends issuing a call, which is what a wrapper adds, and what wall time hides
+  when a call's GPU work takes longer.
+
+The tables report the median over the rounds, and ratios to the hand-written floor and to
+tensordict's ``CudaGraphModule``; the targets are checked on CPU time.
 
 Then the capture cost: for each wrapper, the time and the GPU memory from its construction
 to its first replay, each wrapper built fresh after the others were freed.
@@ -56,13 +62,33 @@ def sync() -> None:
 
 
 def time_calls(call: Callable[[], Any], calls: int) -> float:
-    """Microseconds per call over ``calls`` back-to-back calls."""
+    """Wall microseconds per call over ``calls`` back-to-back calls, GPU work included."""
     sync()
     start = time.perf_counter()
     for _ in range(calls):
         call()
     sync()
     return (time.perf_counter() - start) / calls * 1e6
+
+
+def time_cpu(call: Callable[[], Any], calls: int, burst: int = 16) -> float:
+    """CPU microseconds per call: the time to issue it, the GPU work not waited for.
+
+    Calls run in short bursts after an (untimed) synchronisation, so that the GPU's launch
+    queue never fills and no launch waits for the GPU: what is measured is the cost of
+    the Python code and the launches, which is what a wrapper adds. Where the GPU work of a
+    call takes longer than that, wall time is the GPU's and hides it.
+    """
+    total, done = 0.0, 0
+    while done < calls:
+        sync()
+        start = time.perf_counter()
+        for _ in range(burst):
+            call()
+        total += time.perf_counter() - start
+        done += burst
+    sync()
+    return total / done * 1e6
 
 
 def grad_context(workload: workloads.Workload) -> AbstractContextManager[Any]:
@@ -98,20 +124,23 @@ def measure(workload: workloads.Workload, args: argparse.Namespace) -> dict[str,
         per_call = max(1e-6, time_calls(calls["eager"], 20) / 1e6)
         n = max(20, min(args.calls, int(args.seconds / per_call)))
         times: dict[str, list[float]] = {name: [] for name in calls}
+        cpu: dict[str, list[float]] = {name: [] for name in calls}
         names = list(calls)
         for r in range(args.repeats):
             order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 times[name].append(time_calls(calls[name], n))
+                cpu[name].append(time_cpu(calls[name], n))
     del calls
     gc.collect()
-    medians = {name: statistics.median(t) for name, t in times.items()}
     return {
         "workload": workload.name,
         "description": workload.description,
         "calls_per_timing": n,
-        "median_us": medians,
+        "median_us": {name: statistics.median(t) for name, t in times.items()},
+        "median_cpu_us": {name: statistics.median(t) for name, t in cpu.items()},
         "all_us": times,
+        "all_cpu_us": cpu,
         "skipped": skipped,
     }
 
