@@ -64,6 +64,8 @@ class Outputs:
     def fresh_tensors(self) -> list[torch.Tensor]:
         """Copies of the static output tensors, in their order."""
         if not self._groups:
+            if len(self.static) == 1:  # a single output: no comprehension
+                return [self.static[0].clone()]
             return [t.clone() for t in self.static]
         if len(self._groups) == 1:  # one dtype: the views come in the outputs' order
             dtype, numel, _, tensors = self._groups[0]

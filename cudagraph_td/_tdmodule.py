@@ -21,6 +21,7 @@ from tensordict.nn import dispatch
 
 from . import _errors
 from ._graph import GraphRunner
+from ._signature import quick_meta
 from ._tree import walk_leaves
 
 
@@ -156,12 +157,13 @@ class TensorDictCall:
         if layout is None:
             return _not_handled
         in_keys, out_keys, batch_size = layout.in_keys, layout.out_keys, layout.batch_size
-        expected, static_inputs = captured.signature.expected, captured.signature.static_inputs
+        signature = captured.signature
+        expected = [quick_meta(t) for t in signature.static_inputs]
+        static_inputs = signature.static_inputs
         replay_graph, fresh_tensors = captured.graph.replay, captured.outputs.fresh_tensors
         # A keyword call builds a TensorDict of batch size [] (tensordict's dispatch): it
         # matches a graph captured from one. Its names join nested keys with "_".
         names = ["_".join(key) for key in layout.in_paths] if batch_size == () else None
-        name_set = set(names or ())
         # Where each returned out_key is among the written entries (keyword calls); the
         # out-key "_" marks an output that is not returned, as in tensordict.
         written = {key: i for i, key in enumerate(layout.out_paths)}
@@ -169,34 +171,37 @@ class TensorDictCall:
         dest = [written[key] for key in returned if key in written]
         if len(dest) != len(returned):
             names = None
+        single = dest[0] if len(dest) == 1 else None
 
         def replay(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             td = None
-            if kwargs:
-                if args or names is None or kwargs.keys() != name_set:
-                    return NOT_HANDLED
-                tensors = [kwargs[name] for name in names]
-            else:
-                if len(args) != 1:
-                    return NOT_HANDLED
-                td = args[0]
-                if type(td) is not TensorDict or td.batch_size != batch_size:
-                    return NOT_HANDLED
-                try:
-                    tensors = [td.get(key) for key in in_keys]
-                except KeyError:
-                    return NOT_HANDLED
             try:
-                if [(t.shape, t.dtype, t.device, t.requires_grad) for t in tensors] != expected:
-                    return NOT_HANDLED
-            except AttributeError:  # a non-tensor entry
+                if kwargs:  # as many keywords as names, and every name: exactly the names
+                    if args or names is None or len(kwargs) != len(names):
+                        return NOT_HANDLED
+                    tensors = [kwargs[name] for name in names]
+                else:
+                    if len(args) != 1:
+                        return NOT_HANDLED
+                    td = args[0]
+                    if type(td) is not TensorDict or td.batch_size != batch_size:
+                        return NOT_HANDLED
+                    tensors = [td.get(key) for key in in_keys]
+                # The replay's input check (see `quick_meta`).
+                metas = [
+                    (type(t), t.shape, t.dtype, t.get_device(), t.requires_grad) for t in tensors
+                ]
+            except (KeyError, AttributeError):  # a missing key, a non-tensor entry
+                return NOT_HANDLED
+            if metas != expected:
                 return NOT_HANDLED
             torch._foreach_copy_(static_inputs, tensors)
             replay_graph()
             fresh = fresh_tensors()
             if td is None:  # as tensordict's dispatch returns the out_keys' values
-                values = tuple(fresh[i] for i in dest)
-                return values[0] if len(values) == 1 else values
+                if single is not None:
+                    return fresh[single]
+                return tuple(fresh[i] for i in dest)
             for key, value in zip(out_keys, fresh, strict=True):
                 td.set(key, value)
             return td
