@@ -64,6 +64,7 @@ def main() -> None:
             x.requires_grad,
         ),
         "  torch._foreach_copy_": lambda: torch._foreach_copy_(static_in, [x]),
+        "  copy_": lambda: static_in[0].copy_(x),
         "  graph.replay()": graph.replay,
         "  clone()": static_out.clone,
         "  an empty Python call": lambda: None,

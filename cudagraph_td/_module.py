@@ -17,6 +17,8 @@ from ._tdmodule import NOT_HANDLED
 
 BackendName = Literal["auto", "cuda", "emulate"]
 
+_is_grad_enabled = torch.is_grad_enabled  # read at every call: one lookup less
+
 
 class CudaGraphModule:
     """Capture a function as a CUDA graph, then replay it at each call.
@@ -152,22 +154,24 @@ class CudaGraphModule:
         self._runners: dict[tuple[Any, bool, Any], _graph.GraphRunner] = {}
         self._has_training = hasattr(module, "training")
         self._key = self._mode()
-        self._runner = self._new_runner()
+        self._follow(self._new_runner())
 
     def _mode(self) -> tuple[Any, bool, Any]:
         return (interaction_type(), torch.is_grad_enabled(), getattr(self.module, "training", None))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # The replay path: the mode (see `_mode`, inlined: one call less per replay), then the
-        # captured graph's own replay. Everything else goes through `_call`.
-        training = self.module.training if self._has_training else None  # type: ignore[attr-defined]
-        if (interaction_type(), torch.is_grad_enabled(), training) == self._key:
-            replay = self._runner.replay
-            if replay is not None:
-                out = replay(args, kwargs)
-                if out is not NOT_HANDLED:
-                    return out
-        else:
+        # The replay path: the mode compared by identity with the current graph's (see
+        # `_mode`; its parts are kept apart so that no tuple is built), then that graph's
+        # replay function, which answers NOT_HANDLED for a call it leaves to `_call`.
+        if (
+            interaction_type() is self._interaction
+            and _is_grad_enabled() is self._grad
+            and (not self._has_training or self.module.training is self._training)  # type: ignore[attr-defined]
+        ):
+            out = self._replay(args, kwargs)
+            if out is not NOT_HANDLED:
+                return out
+        elif self._mode() != self._key:
             self._switch_runner()
         return self._call(args, kwargs)
 
@@ -178,12 +182,19 @@ class CudaGraphModule:
             out = self._td_call.call(*args, **kwargs)
             if runner.captured is not None and runner.replay is None:
                 runner.replay = self._td_call.replay_path(runner.captured)
-            return out
-        out = runner.run(args, kwargs)
-        if runner.replay is None and runner.captured is not None:
-            # The captured call's own hot path, without the call through its __call__.
-            runner.replay = getattr(runner.captured, "replay", runner.captured)
+        else:
+            out = runner.run(args, kwargs)
+            if runner.replay is None and runner.captured is not None:
+                # The captured call's own hot path, without the call through its __call__.
+                runner.replay = getattr(runner.captured, "replay", runner.captured)
+        self._follow(runner)
         return out
+
+    def _follow(self, runner: _graph.GraphRunner) -> None:
+        """Make ``runner`` (of mode ``self._key``) the one that the replay path calls."""
+        self._runner = runner
+        self._interaction, self._grad, self._training = self._key
+        self._replay = _tdmodule.not_handled if runner.replay is None else runner.replay
 
     def _new_runner(self) -> _graph.GraphRunner:
         make_backend = None
@@ -202,7 +213,7 @@ class CudaGraphModule:
     def _switch_runner(self) -> None:
         self._key = self._mode()
         runner = self._runners.get(self._key)
-        self._runner = runner if runner is not None else self._new_runner()
+        self._follow(runner if runner is not None else self._new_runner())
 
     def _current_runner(self) -> _graph.GraphRunner | None:
         return self._runners.get(self._mode())
@@ -216,7 +227,7 @@ class CudaGraphModule:
     def reset(self) -> None:
         """Drop the captured graphs and their buffers; the next call starts the warm-up again."""
         self._runners.clear()
-        self._runner = self._new_runner()
+        self._follow(self._new_runner())
 
     @property
     def is_captured(self) -> bool:

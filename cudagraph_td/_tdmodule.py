@@ -155,7 +155,7 @@ class TensorDictCall:
         """
         layout = _Layout.of(captured)
         if layout is None:
-            return _not_handled
+            return not_handled
         in_keys, out_keys, batch_size = layout.in_keys, layout.out_keys, layout.batch_size
         signature = captured.signature
         expected = [quick_meta(t) for t in signature.static_inputs]
@@ -242,7 +242,8 @@ class TensorDictCall:
         return replay_one
 
 
-def _not_handled(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def not_handled(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A replay path that leaves every call to the full path (nothing captured yet)."""
     return NOT_HANDLED
 
 
