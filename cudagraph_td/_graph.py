@@ -164,7 +164,7 @@ class CapturedCall:
             return replay
         # One tensor in, one tensor out, nothing else to do: the commonest call (a network on
         # a batch), replayed in the fewest steps. Anything unexpected takes `replay`.
-        static_input, static_output = static_inputs[0], self.outputs.static[0]
+        static_output = self.outputs.static[0]
 
         def replay_one(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if not kwargs and len(args) == 1:
@@ -174,7 +174,8 @@ class CapturedCall:
                 except AttributeError:
                     same = False
                 if same:
-                    static_input.copy_(t)  # one tensor: `copy_` costs less than `_foreach_copy_`
+                    # `_foreach_copy_` is issued faster than `copy_`, even for one tensor.
+                    torch._foreach_copy_(static_inputs, args)
                     replay_graph()
                     return static_output.clone()
             return replay(args, kwargs)

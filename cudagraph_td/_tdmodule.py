@@ -212,7 +212,7 @@ class TensorDictCall:
         # without the lists, which cost as much as the checks themselves at this size.
         name = None if names is None else names[0]
         in_key, out_key, meta = in_keys[0], out_keys[0], expected[0]
-        static_input, static_output = static_inputs[0], captured.outputs.static[0]
+        static_output = captured.outputs.static[0]
 
         def replay_one(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             td = None
@@ -232,7 +232,7 @@ class TensorDictCall:
                     return NOT_HANDLED
             except (KeyError, AttributeError):
                 return NOT_HANDLED
-            static_input.copy_(t)
+            torch._foreach_copy_(static_inputs, [t])  # issued faster than `copy_`
             replay_graph()
             if td is None:
                 return static_output.clone()
