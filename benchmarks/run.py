@@ -79,16 +79,18 @@ def time_cpu(call: Callable[[], Any], calls: int, burst: int = 16) -> float:
     the Python code and the launches, which is what a wrapper adds. Where the GPU work of a
     call takes longer than that, wall time is the GPU's and hides it.
     """
-    total, done = 0.0, 0
+    per_burst, done = [], 0
     while done < calls:
         sync()
         start = time.perf_counter()
         for _ in range(burst):
             call()
-        total += time.perf_counter() - start
+        per_burst.append(time.perf_counter() - start)
         done += burst
     sync()
-    return total / done * 1e6
+    # The median burst: an interruption of the process (another thread, the OS) costs one
+    # burst, not the whole timing.
+    return statistics.median(per_burst) / burst * 1e6
 
 
 def grad_context(workload: workloads.Workload) -> AbstractContextManager[Any]:

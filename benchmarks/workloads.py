@@ -78,7 +78,15 @@ def _wrappers(
 
 
 def _compiled(fn: Callable[..., Any], call: Callable[[Callable[..., Any]], Call]) -> Call:
-    return call(torch.compile(fn, mode="reduce-overhead"))
+    compiled = torch.compile(fn, mode="reduce-overhead")
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        # Each call is a new step for CUDA graph trees: outputs of the previous one may be
+        # overwritten, as the other graphed variants' static buffers are.
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*args, **kwargs)
+
+    return call(step)
 
 
 # (a) ---------------------------------------------------------------------------------
@@ -333,12 +341,20 @@ def forward_backward(device: torch.device) -> Workload:
         "floor": with_net(lambda net: torch.cuda.make_graphed_callables(net, sample)),
         "cudagraph_td": with_net(lambda net: cudagraph_td.make_graphed_callables(net, sample)),
         "cudagraph_td (module)": with_net(lambda net: cudagraph_td.CudaGraphModule(net, warmup=2)),
-        "compile": with_net(lambda net: torch.compile(net, mode="reduce-overhead")),
+        "compile": with_net(lambda net: _marking_steps(torch.compile(net, mode="reduce-overhead"))),
     }
     w.captures = {
         "cudagraph_td (module)": with_net(lambda net: cudagraph_td.CudaGraphModule(net, warmup=2)),
     }
     return w
+
+
+def _marking_steps(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    def step(*args: Any) -> Any:
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*args)
+
+    return step
 
 
 def all_workloads(device: torch.device) -> list[Workload]:
