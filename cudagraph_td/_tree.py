@@ -39,7 +39,9 @@ class _TensorDictMeta(NamedTuple):
 
 
 def _flatten_tensordict(td: TensorDictBase) -> tuple[list[Any], _TensorDictMeta, tuple[str, ...]]:
-    keys = tuple(td.keys())
+    # Sorted, as optree sorts a dict's keys: the order in which entries were set is not part
+    # of a TensorDict's structure, and two calls that differ only by it are the same call.
+    keys = tuple(sorted(td.keys()))
     names = tuple(td.names) if td._has_names() else None
     # ``_get_str`` returns NonTensorData entries wrapped, so that they stay nodes of the tree.
     children = [td._get_str(key, None) for key in keys]
@@ -73,7 +75,7 @@ class _TensorClassMeta(NamedTuple):
 
 def _flatten_tensorclass(tc: Any) -> tuple[list[Any], _TensorClassMeta, tuple[str, ...]]:
     td = tc._tensordict
-    tensor_keys = tuple(td.keys())
+    tensor_keys = tuple(sorted(td.keys()))
     other_keys = tuple(tc._non_tensordict)
     children = [td._get_str(key, None) for key in tensor_keys]
     children += [tc._non_tensordict[key] for key in other_keys]

@@ -263,3 +263,32 @@ def test_backend_cuda_without_cuda_raises(monkeypatch: pytest.MonkeyPatch) -> No
 def test_invalid_options(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         CudaGraphModule(lambda x: x, **{"backend": "emulate", **kwargs})
+
+
+@pytest.mark.parametrize("limit", [0, 1 << 24], ids=["cloned", "one-buffer-per-dtype"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "with-a-transpose"])
+def test_several_outputs_are_fresh_either_way(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, limit: int, transposed: bool
+) -> None:
+    # Several outputs come back as views of one new buffer per dtype (small, contiguous
+    # results) or as one clone each (large results, or any non-contiguous output).
+    from cudagraph_td import _graph
+
+    monkeypatch.setattr(_graph, "_PACK_LIMIT_BYTES", limit)
+
+    def fn(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        y = x.t() if transposed else x * 1
+        return {"a": x + 1, "b": (x > 0).int(), "c": x.double(), "d": x > 0.5, "y": y}
+
+    graphed = backend.wrap(fn, warmup=1)
+    results = []
+    for _ in range(4):
+        x = backend.randn(3, 3)
+        out = graphed(x)
+        assert out["y"].shape == fn(x)["y"].shape
+        results.append((out, fn(x)))
+    backend.sync()
+    for out, expected in results:
+        assert_tree_close(out, expected)
+    first, second = results[-2][0], results[-1][0]
+    assert first["a"].data_ptr() != second["a"].data_ptr()

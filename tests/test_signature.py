@@ -240,3 +240,11 @@ def test_good_call_after_errors_matches_eager(backend: Backend) -> None:
     x = backend.randn(4, 3)
     expected = graphed.module(x, *args[1:], **kwargs)
     torch.testing.assert_close(graphed(x, *args[1:], **kwargs), expected)
+
+
+def test_tensordict_key_order_is_not_structure(backend: Backend) -> None:
+    graphed = backend.wrap(lambda td: td["a"] - td["b"], warmup=1)
+    for _ in range(2):
+        graphed(TensorDict(a=backend.randn(2), b=backend.randn(2), batch_size=[2]))
+    a, b = backend.randn(2), backend.randn(2)
+    torch.testing.assert_close(graphed(TensorDict(b=b, a=a, batch_size=[2])), a - b)

@@ -41,9 +41,9 @@ def _call_tree() -> tuple[tuple[object, ...], dict[str, object]]:
 
 def test_leaf_paths_read_like_python() -> None:
     assert _tree.leaf_paths(_call_tree()) == [
-        'args[0]["obs"]',
-        'args[0]["next", "observation"]',
+        'args[0]["next", "observation"]',  # a TensorDict's keys in sorted order, as a dict's
         'args[0]["note"]',
+        'args[0]["obs"]',
         "args[1][0]",
         "args[1][2].first",
         "args[1][2].second",
