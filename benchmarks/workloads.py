@@ -77,6 +77,20 @@ def _wrappers(
     return variants
 
 
+def _with_every_tool(
+    w: Workload, fn: Callable[..., Any], call: Callable[[Callable[..., Any]], Call], floor: Any
+) -> Workload:
+    """``w`` with the variants of a function that every tool can run, and its capture costs."""
+    w.variants = {
+        "eager": lambda: call(fn),
+        "floor": floor,
+        **_wrappers(fn, call),
+        "compile": lambda: _compiled(fn, call),
+    }
+    w.captures = _wrappers(fn, call)
+    return w
+
+
 def _compiled(fn: Callable[..., Any], call: Callable[[Callable[..., Any]], Call]) -> Call:
     compiled = torch.compile(fn, mode="reduce-overhead")
 
@@ -112,14 +126,7 @@ def tiny_op(device: torch.device) -> Workload:
         return lambda: f(x)
 
     w = Workload("a. tiny op", "`x + 1` on a 16-element tensor: the wrapper's own overhead")
-    w.variants = {
-        "eager": lambda: call(fn),
-        "floor": floor,
-        **_wrappers(fn, call),
-        "compile": lambda: _compiled(fn, call),
-    }
-    w.captures = _wrappers(fn, call)
-    return w
+    return _with_every_tool(w, fn, call, floor)
 
 
 # (b) ---------------------------------------------------------------------------------
@@ -150,14 +157,7 @@ def many_leaves(device: torch.device, n: int) -> Workload:
         return lambda: f(inputs)
 
     w = Workload(f"b. {n} leaves", f"a dict of {n} tensors in, {n} tensors out (`2 * x` each)")
-    w.variants = {
-        "eager": lambda: call(fn),
-        "floor": floor,
-        **_wrappers(fn, call),
-        "compile": lambda: _compiled(fn, call),
-    }
-    w.captures = _wrappers(fn, call)
-    return w
+    return _with_every_tool(w, fn, call, floor)
 
 
 # (c) ---------------------------------------------------------------------------------
@@ -192,14 +192,7 @@ def policy_td(device: torch.device) -> Workload:
         "c. policy, TensorDict",
         "a TensorDictModule MLP policy (17-256-256-6, batch 32) called with a TensorDict",
     )
-    w.variants = {
-        "eager": lambda: call(policy),
-        "floor": floor,
-        **_wrappers(policy, call),
-        "compile": lambda: _compiled(policy, call),
-    }
-    w.captures = _wrappers(policy, call)
-    return w
+    return _with_every_tool(w, policy, call, floor)
 
 
 def policy_kwargs(device: torch.device) -> Workload:
@@ -223,14 +216,7 @@ def policy_kwargs(device: torch.device) -> Workload:
         "c. policy, keywords",
         "the same policy called with a keyword tensor: `policy(observation=obs)`",
     )
-    w.variants = {
-        "eager": lambda: call(policy),
-        "floor": floor,
-        **_wrappers(policy, call),
-        "compile": lambda: _compiled(policy, call),
-    }
-    w.captures = _wrappers(policy, call)
-    return w
+    return _with_every_tool(w, policy, call, floor)
 
 
 # (d) ---------------------------------------------------------------------------------
