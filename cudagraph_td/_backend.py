@@ -22,6 +22,15 @@ from . import _tree
 T = TypeVar("T")
 
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+
+
+def _clear_cublas_workspaces() -> None:
+    """Free cuBLAS's per-stream workspaces (torch's own CUDA graph trees do the same)."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
 BACKENDS = ("auto", "cuda", "emulate")
 
 
@@ -110,6 +119,13 @@ class CudaBackend:
         # No work queued before the capture may still be running when it begins: in the
         # "global" error mode another stream's work would make the capture fail.
         torch.cuda.synchronize(self.device)
+        # cuBLAS keeps a workspace per stream, made at its first use. The warm-up ran on this
+        # stream, so its workspace lies outside the graph's pool: a graph recorded with it
+        # would write into freed memory once anything clears cuBLAS workspaces, as
+        # torch.compile's CUDA graph trees do around each recording. Cleared here, the
+        # capture makes its own, in the graph's private pool; cleared again after it, so that
+        # no later work on this stream uses the graph's.
+        _clear_cublas_workspaces()
         graph = torch.cuda.CUDAGraph()
         # A garbage collection during the capture can free tensors of other streams, whose
         # deallocation is illegal while a stream captures (pytorch#161037): hold it off.
@@ -134,6 +150,7 @@ class CudaBackend:
                     warnings.filterwarnings("ignore", "The CUDA Graph is empty")
                     graph.capture_end()
         finally:
+            _clear_cublas_workspaces()
             torch.distributions.Distribution.set_default_validate_args(validate_args)
             if gc_was_enabled:
                 gc.enable()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 from collections.abc import Callable
@@ -176,3 +177,43 @@ def test_graph_device_follows_the_inputs(cuda: Backend) -> None:
     graphed = cuda.wrap(lambda x: x + 1, warmup=1)
     graphed(cuda.randn(2))
     assert graphed._runner.backend is not None and graphed._runner.backend.device == cuda.device
+
+
+def test_graph_survives_cleared_cublas_workspaces(cuda: Backend) -> None:
+    # torch.compile's CUDA graph trees clear cuBLAS workspaces around each recording. A graph
+    # whose matrix products used a workspace made outside its pool (during the warm-up) would
+    # then write into memory that other tensors reuse.
+    net = torch.nn.Sequential(
+        torch.nn.Linear(17, 256), torch.nn.Tanh(), torch.nn.Linear(256, 6)
+    ).cuda()
+    graphed = cuda.wrap(net, warmup=2)
+    with torch.no_grad():
+        for _ in range(3):
+            graphed(cuda.randn(32, 17))
+        torch._C._cuda_clearCublasWorkspaces()
+        fillers = [torch.full((n << 20,), float("nan"), device="cuda") for n in (1, 2, 4, 8, 16)]
+        for _ in range(3):
+            x = cuda.randn(32, 17)
+            torch.testing.assert_close(graphed(x), net(x))
+    cuda.sync()
+    assert all(bool(f.isnan().all()) for f in fillers), "a replay wrote into reused memory"
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning:torch", "ignore::DeprecationWarning:torch")
+def test_graph_next_to_torch_compile_cuda_graph_trees(cuda: Backend) -> None:
+    # The case that crashed: a CudaGraphModule policy and a model compiled with
+    # mode="reduce-overhead" (CUDA graph trees) replayed in turns in one process.
+    torch._dynamo.reset()
+    net = torch.nn.Sequential(
+        torch.nn.Linear(17, 256), torch.nn.Tanh(), torch.nn.Linear(256, 6)
+    ).cuda()
+    compiled = torch.compile(copy.deepcopy(net), mode="reduce-overhead")
+    graphed = cuda.wrap(net, warmup=2)
+    with torch.no_grad():
+        for _ in range(3):  # captured before the compiled model records its graphs
+            graphed(cuda.randn(32, 17))
+        for _ in range(20):
+            x = cuda.randn(32, 17)
+            torch.compiler.cudagraph_mark_step_begin()
+            expected = compiled(x).clone()
+            torch.testing.assert_close(graphed(x), expected)
