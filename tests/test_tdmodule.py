@@ -361,3 +361,32 @@ def test_calling_with_a_tensor_in_tensordict_mode_is_refused(backend: Backend) -
         ),
     ):
         graphed(backend.randn(3))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("call", ["tensordict", "keywords"])
+def test_several_nested_in_and_out_keys_match_eager(backend: Backend, call: str) -> None:
+    # Two inputs (one nested, named "next_obs" as a keyword, as tensordict's dispatch does)
+    # and two outputs, called many times after the capture: the replay path for these calls.
+    weight = backend.randn(3, 2)
+
+    def step(next_obs: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return next_obs @ weight + h, h * 2
+
+    module = TensorDictModule(step, in_keys=[("next", "obs"), "h"], out_keys=["a", ("out", "b")])
+    graphed = backend.wrap(module, warmup=2)
+    for _ in range(5):
+        obs, h = backend.randn(4, 3), backend.randn(4, 2)
+        if call == "keywords":
+            expected = module(next_obs=obs, h=h)
+            actual = graphed(next_obs=obs, h=h)
+            assert isinstance(actual, tuple) and len(actual) == 2
+            for a, e in zip(actual, expected, strict=True):
+                torch.testing.assert_close(a, e)
+        else:
+            td = TensorDict(next=TensorDict(obs=obs, batch_size=[4]), h=h, batch_size=[4])
+            expected_td = module(td.clone())
+            out = graphed(td)
+            assert out is td
+            for key in ("a", ("out", "b")):
+                torch.testing.assert_close(td[key], expected_td[key])
