@@ -92,15 +92,17 @@ def _with_every_tool(
 
 
 def _compiled(fn: Callable[..., Any], call: Callable[[Callable[..., Any]], Call]) -> Call:
-    compiled = torch.compile(fn, mode="reduce-overhead")
+    return call(_marking_steps(torch.compile(fn, mode="reduce-overhead")))
 
+
+def _marking_steps(compiled: Callable[..., Any]) -> Callable[..., Any]:
     def step(*args: Any, **kwargs: Any) -> Any:
         # Each call is a new step for CUDA graph trees: outputs of the previous one may be
         # overwritten, as the other graphed variants' static buffers are.
         torch.compiler.cudagraph_mark_step_begin()
         return compiled(*args, **kwargs)
 
-    return call(step)
+    return step
 
 
 # (a) ---------------------------------------------------------------------------------
@@ -333,14 +335,6 @@ def forward_backward(device: torch.device) -> Workload:
         "cudagraph_td (module)": with_net(lambda net: cudagraph_td.CudaGraphModule(net, warmup=2)),
     }
     return w
-
-
-def _marking_steps(compiled: Callable[..., Any]) -> Callable[..., Any]:
-    def step(*args: Any) -> Any:
-        torch.compiler.cudagraph_mark_step_begin()
-        return compiled(*args)
-
-    return step
 
 
 def all_workloads(device: torch.device) -> list[Workload]:

@@ -10,18 +10,18 @@ import sys
 import pytest
 import torch
 
-EXAMPLES = sorted((pathlib.Path(__file__).parent.parent / "examples").glob("*.py"))
+ROOT = pathlib.Path(__file__).parent.parent
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
 
-@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.stem)
-def test_example_runs(script: pathlib.Path) -> None:
-    root = str(script.parent.parent)
+def _run(script: pathlib.Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` as a user would, with the repository importable; check it succeeded."""
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
     result = subprocess.run(
-        [sys.executable, str(script)],
+        [sys.executable, str(script), *args],
         capture_output=True,
         text=True,
         env=env,
@@ -29,20 +29,17 @@ def test_example_runs(script: pathlib.Path) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert "eager" in result.stdout
+    return result
+
+
+@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.stem)
+def test_example_runs(script: pathlib.Path) -> None:
+    assert "eager" in _run(script).stdout
 
 
 def test_benchmark_runs_without_cuda_and_says_so() -> None:
     if torch.cuda.is_available():
         pytest.skip("on a GPU the benchmark takes minutes: run benchmarks/run.py itself")
-    script = pathlib.Path(__file__).parent.parent / "benchmarks" / "run.py"
-    result = subprocess.run(
-        [sys.executable, str(script), "--repeats", "1", "--calls", "20"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
+    result = _run(ROOT / "benchmarks" / "run.py", "--repeats", "1", "--calls", "20")
     assert "CUDA graphs need CUDA" in result.stdout
     assert "cudagraph_td" in result.stdout and "tensordict" in result.stdout
