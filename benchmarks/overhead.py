@@ -1,11 +1,11 @@
 """Where the CPU time of one replay goes: the wrapper's path, step by step, against the floor.
 
-    python benchmarks/overhead.py
+    python benchmarks/overhead.py [a] [d]
 
-Workload (a) of the benchmark (``x + 1`` on 16 elements), on CUDA: the time to issue a
-hand-written replay (the floor), ``CudaGraphModule``'s call, its captured replay function
-called directly (without the module's mode check), and each step of that path on its own.
-Times are CPU microseconds per call (see ``run.time_cpu``), the minimum over rounds.
+On CUDA, for workload (a) of the benchmark (``x + 1`` on 16 elements) and (d) (a whole SAC
+update on a TensorDict batch): the time to issue a hand-written replay (the floor),
+``CudaGraphModule``'s call, tensordict's, and each step of their paths on its own. Times
+are CPU microseconds per call (see ``run.time_cpu``), the minimum over rounds.
 """
 
 from __future__ import annotations
@@ -16,64 +16,137 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from tensordict import TensorDict
+from tensordict.nn import CudaGraphModule as TDCudaGraphModule
 from tensordict.nn.probabilistic import interaction_type
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent))
 
+import workloads
 from run import time_cpu
 
 import cudagraph_td
+
+Steps = dict[str, Callable[[], Any]]
 
 
 def best(call: Callable[[], Any], calls: int = 4000, rounds: int = 9) -> float:
     return min(time_cpu(call, calls) for _ in range(rounds))
 
 
-def main() -> None:
-    if not torch.cuda.is_available():
-        print("CUDA graphs need CUDA, which this machine lacks: nothing to profile.")
-        return
-    torch.set_grad_enabled(False)
+def tiny_op() -> Steps:
     x = torch.randn(16, device="cuda")
     wrapper = cudagraph_td.CudaGraphModule(lambda t: t + 1, warmup=2)
+    theirs = TDCudaGraphModule(lambda t: t + 1, warmup=2)
     for _ in range(3):
         wrapper(x)
+        theirs(x)
     runner = wrapper._runner
     captured = runner.captured
     static_in, static_out = captured.signature.static_inputs, captured.outputs.static[0]
     graph = captured.graph
     replay = runner.replay
+    base_replay = super(torch.cuda.CUDAGraph, graph).replay
 
     def floor() -> torch.Tensor:
         torch._foreach_copy_(static_in, [x])
         graph.replay()
         return static_out.clone()
 
-    steps: dict[str, Callable[[], Any]] = {
+    def fresh_by_copy() -> torch.Tensor:
+        out = torch.empty_like(static_out)
+        torch._foreach_copy_([out], [static_out])
+        return out
+
+    return {
         "floor: copy, replay, clone": floor,
         "CudaGraphModule call": lambda: wrapper(x),
+        "tensordict's CudaGraphModule call": lambda: theirs(x),
         "its replay function, called directly": lambda: replay((x,), {}),
         "  mode: interaction_type()": interaction_type,
         "  mode: torch.is_grad_enabled()": torch.is_grad_enabled,
-        "  input check: (type, shape, dtype, get_device(), requires_grad)": lambda: (
+        "  input check: (type, shape, dtype, device, requires_grad)": lambda: (
             type(x),
             x.shape,
             x.dtype,
-            x.get_device(),
+            x.device,
             x.requires_grad,
         ),
+        "    of which x.device": lambda: x.device,
+        "    x.get_device(), for comparison": x.get_device,
         "  torch._foreach_copy_": lambda: torch._foreach_copy_(static_in, [x]),
         "  copy_": lambda: static_in[0].copy_(x),
         "  graph.replay()": graph.replay,
+        "  the C++ replay, without CUDAGraph.replay's Python frame": base_replay,
         "  clone()": static_out.clone,
+        "  empty_like() and _foreach_copy_": fresh_by_copy,
         "  an empty Python call": lambda: None,
     }
+
+
+def sac_update() -> Steps:
+    device = torch.device("cuda")
+    workload = workloads.sac_update(device)
+    floor = workload.variants["floor"]()
+    theirs = workload.variants["tensordict"]()
+    sac = workloads._sac_module()
+    batch = sac.batches(1, device)[0]
+    wrapper = cudagraph_td.CudaGraphModule(sac.SAC(device).update, warmup=2)
+    for _ in range(3):
+        wrapper(batch)
+        theirs()
+    captured = wrapper._runner.captured
+    signature, outputs, watch = captured.signature, captured.outputs, captured.watch
+    assert watch is not None and signature.tensordict_arg is not None
+    read_batch = signature.tensordict_arg.read
+    tensors = signature.match((batch,), {})
+    fresh = outputs.fresh_tensors()
+    keys = list(batch.keys())
+    out_keys = [f"k{i}" for i in range(len(fresh))]
+    return {
+        "floor: read, copy, replay, clone, TensorDict": floor,
+        "CudaGraphModule call": lambda: wrapper(batch),
+        "tensordict's CudaGraphModule call": theirs,
+        "  input check: the batch read by key and compared": lambda: read_batch(batch),
+        "  the full check, for comparison: signature.match": lambda: signature.match((batch,), {}),
+        "    of which optree.tree_flatten": lambda: cudagraph_td._tree.optree.tree_flatten(
+            ((batch,), {}), namespace=cudagraph_td._tree.NAMESPACE
+        ),
+        "  training-step watch": watch,
+        "  torch._foreach_copy_ of the inputs": lambda: torch._foreach_copy_(
+            signature.static_inputs, tensors
+        ),
+        "  graph.replay()": captured.graph.replay,
+        "  fresh outputs (one buffer, views, _foreach_copy_)": outputs.fresh_tensors,
+        "    of which the views": lambda: cudagraph_td._graph._views(
+            torch.empty(len(fresh), device=device), outputs._groups[0][3]
+        ),
+        "  the result rebuilt (optree.tree_unflatten)": lambda: outputs.rebuild(fresh),
+        "  floor: batch[k] for each key": lambda: [batch[k] for k in keys],
+        "  floor: clone() per output": lambda: [t.clone() for t in outputs.static],
+        "  floor: TensorDict of the outputs": lambda: TensorDict(
+            dict(zip(out_keys, fresh, strict=True)), batch_size=[]
+        ),
+    }
+
+
+PROFILES = {"a": tiny_op, "d": sac_update}
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        print("CUDA graphs need CUDA, which this machine lacks: nothing to profile.")
+        return
+    chosen = sys.argv[1:] or list(PROFILES)
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Python {sys.version.split()[0]}"
     )
-    for name, call in steps.items():
-        print(f"{name:66} {best(call):7.2f} us")
+    for name in chosen:
+        print(f"\n({name})")
+        with torch.no_grad() if name == "a" else torch.enable_grad():
+            for step, call in PROFILES[name]().items():
+                print(f"{step:66} {best(call):7.2f} us")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from . import _errors, _tree
-from ._backend import Backend, Graph
+from ._backend import Backend, Graph, replay_function
 from ._graph import Outputs
 from ._signature import Signature
 
@@ -63,7 +63,7 @@ class _GraphedFunction(torch.autograd.Function):
         n = call.n_inputs
         if n:
             torch._foreach_copy_(call.static_inputs, inputs[:n])
-        call.forward_graph.replay()
+        call.replay_forward()
         call.generation += 1
         ctx.call, ctx.generation = call, call.generation
         outputs = tuple(t.detach().clone() for t in call.static_outputs)
@@ -90,7 +90,7 @@ class _GraphedFunction(torch.autograd.Function):
             )
         with torch.no_grad():
             torch._foreach_copy_(call.static_grad_outputs, [grads[i] for i in call.differentiable])
-        call.backward_graph.replay()
+        call.replay_backward()
         # Fresh memory: gradients accumulated over two backward passes must not alias.
         fresh = [None if g is None else g.clone() for g in call.static_grad_inputs]
         return (None, *(None if slot < 0 else fresh[slot] for slot in call.grad_slots))
@@ -111,6 +111,8 @@ class DifferentiableCall:
         self.params: list[torch.Tensor] = []
         self.forward_graph: Graph
         self.backward_graph: Graph
+        self.replay_forward: Callable[[], None]  # the graphs' replay (see `replay_function`)
+        self.replay_backward: Callable[[], None]
         self.outputs: Outputs
         self.static_outputs: list[torch.Tensor] = []
         self.differentiable: list[int] = []
@@ -272,6 +274,7 @@ class Capture:
                 )
         except Exception as err:
             raise _errors.capture_failure(self.name, "capture the forward graph", err) from err
+        call.replay_forward = replay_function(call.forward_graph)
         # On CUDA the recorded outputs carry the autograd graph; the emulation's are buffers.
         self._discover_params(static_out, self.signature.static_inputs)
         if self.requires_grad is None:  # no warm-up: the recorded outputs tell
@@ -299,6 +302,7 @@ class Capture:
             )
         except Exception as err:
             raise _errors.capture_failure(self.name, "capture the backward graph", err) from err
+        call.replay_backward = replay_function(call.backward_graph)
         # Drop the recorded autograd graph: the graphs replay without it, and its gradient
         # accumulators, tied to the capture stream, would make autograd synchronise (and
         # warn) at every backward on the caller's stream.

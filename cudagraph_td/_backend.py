@@ -70,6 +70,18 @@ class Graph(Protocol):
     def replay(self) -> None: ...
 
 
+def replay_function(graph: Graph) -> Callable[[], None]:
+    """``graph.replay``, without the Python frame that torch's ``CUDAGraph.replay`` adds.
+
+    That frame checks an input-liveness tracker, which only ``capture_begin(
+    check_input_liveness=True)`` turns on and the library never does: the replay path,
+    which runs at every call, calls the C++ method directly.
+    """
+    if isinstance(graph, torch.cuda.CUDAGraph) and getattr(graph, "_tracker", None) is None:
+        return super(torch.cuda.CUDAGraph, graph).replay
+    return graph.replay
+
+
 class Backend(Protocol):
     """Runs warm-up calls, and records a function into a graph without running its effects."""
 

@@ -14,7 +14,7 @@ import optree
 import torch
 
 from . import _errors, _training, _tree
-from ._backend import Backend, Graph
+from ._backend import Backend, Graph, replay_function
 from ._signature import Signature, validate
 
 # Results of at most this many bytes come back as views of one new buffer per dtype, filled
@@ -42,8 +42,8 @@ class Outputs:
         self.template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         self.single_tensor = self.spec.is_leaf() and bool(self.static)
         self.all_tensors = len(self.static) == len(leaves)
-        # (dtype, numel, indices of its outputs, those outputs): one buffer per dtype.
-        self._groups: list[tuple[torch.dtype, int, list[int], list[torch.Tensor]]] = []
+        # One buffer per dtype: (dtype, numel, indices of its outputs, their views' layouts).
+        self._groups: list[tuple[torch.dtype, int, list[int], list[_Layout]]] = []
         packable = (
             len(self.static) > 1
             and all(t.is_contiguous() and not t.requires_grad for t in self.static)
@@ -52,8 +52,12 @@ class Outputs:
         if packable:
             for dtype in dict.fromkeys(t.dtype for t in self.static):
                 indices = [i for i, t in enumerate(self.static) if t.dtype == dtype]
-                tensors = [self.static[i] for i in indices]
-                self._groups.append((dtype, sum(t.numel() for t in tensors), indices, tensors))
+                layouts, numel = [], 0
+                for i in indices:
+                    t = self.static[i]
+                    layouts.append((t.shape, t.stride(), numel))
+                    numel += t.numel()
+                self._groups.append((dtype, numel, indices, layouts))
 
     def fresh(self) -> Any:
         """The result of the last replay, in memory that no later replay writes."""
@@ -64,18 +68,17 @@ class Outputs:
     def fresh_tensors(self) -> list[torch.Tensor]:
         """Copies of the static output tensors, in their order."""
         if not self._groups:
-            if len(self.static) == 1:  # a single output: no comprehension
-                return [self.static[0].clone()]
             return [t.clone() for t in self.static]
-        if len(self._groups) == 1:  # one dtype: the views come in the outputs' order
-            dtype, numel, _, tensors = self._groups[0]
-            fresh = list(_views(torch.empty(numel, dtype=dtype, device=self.device), tensors))
-        else:
-            fresh = list(self.static)
-            for dtype, numel, indices, tensors in self._groups:
-                views = _views(torch.empty(numel, dtype=dtype, device=self.device), tensors)
-                for i, view in zip(indices, views, strict=True):
-                    fresh[i] = view
+        if len(self._groups) == 1:  # one dtype: its views are the outputs, in their order
+            dtype, numel, _, layouts = self._groups[0]
+            fresh = _views(torch.empty(numel, dtype=dtype, device=self.device), layouts)
+            torch._foreach_copy_(fresh, self.static)
+            return fresh
+        fresh = list(self.static)
+        for dtype, numel, indices, layouts in self._groups:
+            views = _views(torch.empty(numel, dtype=dtype, device=self.device), layouts)
+            for i, view in zip(indices, views, strict=True):
+                fresh[i] = view
         torch._foreach_copy_(fresh, self.static)
         return fresh
 
@@ -89,9 +92,15 @@ class Outputs:
         return optree.tree_unflatten(self.spec, leaves)
 
 
-def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """Consecutive views of ``flat`` shaped as the tensors of ``like``, made in one C++ call."""
-    return torch._utils._unflatten_dense_tensors(flat, like)  # type: ignore[no-any-return]
+# Where a view lies in its buffer: (shape, strides, offset in elements).
+_Layout = tuple[torch.Size, tuple[int, ...], int]
+
+_as_strided = torch.Tensor.as_strided
+
+
+def _views(flat: torch.Tensor, layouts: list[_Layout]) -> list[torch.Tensor]:
+    """Views of ``flat`` laid out as ``layouts``: one ``as_strided`` each, the cheapest view."""
+    return [_as_strided(flat, shape, strides, offset) for shape, strides, offset in layouts]
 
 
 class CapturedCall:
@@ -119,7 +128,7 @@ class CapturedCall:
         """The replay hot path: one flat function whose state, decided here, are locals."""
         match = self.signature.match
         static_inputs = self.signature.static_inputs
-        replay_graph = self.graph.replay
+        replay_graph = replay_function(self.graph)
         mutated = self.mutated
         mutated_static = [static_inputs[i] for i in mutated]
         watch = self.watch
@@ -130,21 +139,26 @@ class CapturedCall:
         positional = self.signature.positional_types
         n_positional = -1 if positional is None else len(positional)
         first = None if positional is None else positional[0]
+        tensordict_arg = self.signature.tensordict_arg
+        read_tensordict = None if tensordict_arg is None else tensordict_arg.read
 
         def replay(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            # Positional tensors, the commonest call, are checked here, in the fewest
-            # attribute reads (see `quick_meta`); any other call, and any mismatch, goes to
-            # the full check, which flattens the inputs and raises the error that names the leaf.
+            # The commonest calls, positional tensors and one TensorDict, are checked here,
+            # in the fewest attribute reads (see `quick_meta`); any other call, and any
+            # mismatch, goes to the full check, which flattens the inputs and raises the
+            # error that names the leaf.
             tensors: Any = None
-            if not kwargs and len(args) == n_positional:
+            if read_tensordict is not None:
+                if not kwargs and len(args) == 1:
+                    tensors = read_tensordict(args[0])
+            elif not kwargs and len(args) == n_positional:
                 try:
                     if n_positional == 1:  # one tensor: no list to build
                         t = args[0]
-                        same = (type(t), t.shape, t.dtype, t.get_device(), t.requires_grad) == first
+                        same = (type(t), t.shape, t.dtype, t.device, t.requires_grad) == first
                     else:
                         same = [
-                            (type(t), t.shape, t.dtype, t.get_device(), t.requires_grad)
-                            for t in args
+                            (type(t), t.shape, t.dtype, t.device, t.requires_grad) for t in args
                         ] == positional
                     tensors = args if same else None
                 except AttributeError:  # a non-tensor where the capture had a tensor
@@ -170,7 +184,7 @@ class CapturedCall:
             if not kwargs and len(args) == 1:
                 t = args[0]
                 try:
-                    same = (type(t), t.shape, t.dtype, t.get_device(), t.requires_grad) == first
+                    same = (type(t), t.shape, t.dtype, t.device, t.requires_grad) == first
                 except AttributeError:
                     same = False
                 if same:

@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import optree
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
 from . import _errors, _tree
 
@@ -26,14 +26,15 @@ def tensor_meta(t: torch.Tensor) -> TensorMeta:
     return (t.shape, t.dtype, t.device, t.requires_grad)
 
 
-def quick_meta(t: torch.Tensor) -> tuple[type, torch.Size, torch.dtype, int, bool]:
-    """What the replay compares of a positional tensor, in its cheapest attribute reads.
+def quick_meta(t: torch.Tensor) -> tuple[type, torch.Size, torch.dtype, torch.device, bool]:
+    """What the replay's fast paths compare of a tensor they read without flattening.
 
-    ``get_device()`` (an int: the CUDA index, ``-1`` on the CPU) costs less than ``device``,
-    which builds a new object at each read. The type tells a tensor from a TensorDict.
-    The replay inlines this expression: keep both the same.
+    :func:`tensor_meta` and the type, which tells a tensor from a TensorDict or a
+    subclass. (``get_device()`` reads a little faster than ``device`` but gives ``-1`` for
+    every device that is not CUDA, so that a meta tensor would pass for a CPU one.) The
+    replay paths inline this expression: keep them the same.
     """
-    return (type(t), t.shape, t.dtype, t.get_device(), t.requires_grad)
+    return (type(t), t.shape, t.dtype, t.device, t.requires_grad)
 
 
 def _comparable(value: Any) -> bool:
@@ -110,6 +111,8 @@ class Signature:
         # TensorDict passed where the capture had a tensor goes to the full check.
         positional = bool(args) and not kwargs and all(isinstance(a, torch.Tensor) for a in args)
         self.positional_types = [quick_meta(t) for t in args] if positional else None
+        # A call of one TensorDict of tensors (a batch), the other common call, is read by key.
+        self.tensordict_arg = TensorDictArg.of(args, kwargs)
 
     def static_tree(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """New containers (tuples, dicts, TensorDicts) around the graph's static input tensors."""
@@ -246,3 +249,41 @@ class Signature:
         if old.requires_grad and not new.requires_grad:
             return _errors.no_longer_requires_grad(self.name, where)
         return None
+
+
+class TensorDictArg:
+    """The layout of a call of one plain TensorDict of tensors, read without flattening.
+
+    :meth:`read` returns the entries of a TensorDict of the captured layout (type, batch
+    size, device, keys, no names) in the order of the graph's static inputs, with the quick
+    metadata (see :func:`quick_meta`) they must have; anything else takes the full check.
+    """
+
+    def __init__(self, td: TensorDict):
+        self.keys = tuple(sorted(td.keys()))  # the flattening order (see `_tree`)
+        self.batch_size = td.batch_size
+        self.device = td.device
+        self.expected = [quick_meta(td._get_str(key, None)) for key in self.keys]
+
+    @classmethod
+    def of(cls, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TensorDictArg | None:
+        if kwargs or len(args) != 1 or type(args[0]) is not TensorDict:
+            return None
+        td = args[0]
+        if td._has_names() or not all(isinstance(v, torch.Tensor) for v in td.values()):
+            return None
+        return cls(td)
+
+    def read(self, td: Any) -> list[torch.Tensor] | None:
+        """The entries of ``td`` in the static inputs' order, if it has the captured layout."""
+        if type(td) is not TensorDict or td.batch_size != self.batch_size:
+            return None
+        entries = td._tensordict
+        if len(entries) != len(self.keys) or td.device != self.device or td._has_names():
+            return None
+        try:
+            tensors = [entries[key] for key in self.keys]
+            metas = [(type(t), t.shape, t.dtype, t.device, t.requires_grad) for t in tensors]
+        except (KeyError, AttributeError):
+            return None
+        return tensors if metas == self.expected else None

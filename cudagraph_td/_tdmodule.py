@@ -20,6 +20,7 @@ from tensordict.base import is_tensor_collection
 from tensordict.nn import dispatch
 
 from . import _errors
+from ._backend import replay_function
 from ._graph import GraphRunner
 from ._signature import quick_meta
 from ._tree import walk_leaves
@@ -160,7 +161,10 @@ class TensorDictCall:
         signature = captured.signature
         expected = [quick_meta(t) for t in signature.static_inputs]
         static_inputs = signature.static_inputs
-        replay_graph, fresh_tensors = captured.graph.replay, captured.outputs.fresh_tensors
+        replay_graph, fresh_tensors = (
+            replay_function(captured.graph),
+            captured.outputs.fresh_tensors,
+        )
         # A keyword call builds a TensorDict of batch size [] (tensordict's dispatch): it
         # matches a graph captured from one. Its names join nested keys with "_".
         names = ["_".join(key) for key in layout.in_paths] if batch_size == () else None
@@ -188,9 +192,7 @@ class TensorDictCall:
                         return NOT_HANDLED
                     tensors = [td[key] for key in in_keys]  # [] reads faster than get()
                 # The replay's input check (see `quick_meta`).
-                metas = [
-                    (type(t), t.shape, t.dtype, t.get_device(), t.requires_grad) for t in tensors
-                ]
+                metas = [(type(t), t.shape, t.dtype, t.device, t.requires_grad) for t in tensors]
             except (KeyError, AttributeError):  # a missing key, a non-tensor entry
                 return NOT_HANDLED
             if metas != expected:
@@ -228,7 +230,7 @@ class TensorDictCall:
                     if type(td) is not TensorDict or td.batch_size != batch_size:
                         return NOT_HANDLED
                     t = td[in_key]
-                if (type(t), t.shape, t.dtype, t.get_device(), t.requires_grad) != meta:
+                if (type(t), t.shape, t.dtype, t.device, t.requires_grad) != meta:
                     return NOT_HANDLED
             except (KeyError, AttributeError):
                 return NOT_HANDLED

@@ -217,15 +217,29 @@ class Watch:
                 keys = tuple(k for k in opt.defaults if k in group and k != "params")
                 where = f"`{path}` ({type(opt).__name__}) param_groups[{i}]"
                 self.groups.append((where, group, keys, tuple(group[k] for k in keys)))
+        self._flatten_groups()
+
+    def _flatten_groups(self) -> None:
+        """Every (group, key, value) that ``__call__`` checks, as three parallel lists."""
+        self._dicts = [group for _, group, keys, _ in self.groups for _ in keys]
+        self._keys = [key for _, _, keys, _ in self.groups for key in keys]
+        self._values = [value for _, _, _, values in self.groups for value in values]
 
     def __call__(self) -> None:
-        # Identity checks, mapped in C: the common case, where nothing changed, costs no
-        # Python loop per parameter or per hyperparameter.
+        # Identity checks, mapped in C over flat lists: the common case, where nothing
+        # changed, costs no Python loop per parameter, group or hyperparameter.
         if not all(map(operator.is_, map(_grad, self.params), self.grads)):
             self._raise_for_grads()
-        for i, (where, group, keys, values) in enumerate(self.groups):
-            if not all(map(operator.is_, map(group.__getitem__, keys), values)):
+        try:
+            same = all(
+                map(operator.is_, map(operator.getitem, self._dicts, self._keys), self._values)
+            )
+        except KeyError:  # a hyperparameter deleted from its group
+            same = False
+        if not same:
+            for i, (where, group, keys, values) in enumerate(self.groups):
                 self._check_group(i, where, group, keys, values)
+            self._flatten_groups()
 
     def after_replay(self) -> None:
         """Put the captured gradient tensors back, with the values the replay computed."""

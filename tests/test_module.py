@@ -278,7 +278,16 @@ def test_several_outputs_are_fresh_either_way(
 
     def fn(x: torch.Tensor) -> dict[str, torch.Tensor]:
         y = x.t() if transposed else x * 1
-        return {"a": x + 1, "b": (x > 0).int(), "c": x.double(), "d": x > 0.5, "y": y}
+        return {
+            "a": x + 1,
+            "b": (x > 0).int(),
+            "c": x.double(),
+            "d": x > 0.5,
+            "y": y,
+            "scalar": x.sum(),
+            "row": x[1] * 3,  # at an offset in its buffer
+            "empty": (x * 2)[:0],
+        }
 
     graphed = backend.wrap(fn, warmup=1)
     results = []

@@ -248,3 +248,89 @@ def test_tensordict_key_order_is_not_structure(backend: Backend) -> None:
         graphed(TensorDict(a=backend.randn(2), b=backend.randn(2), batch_size=[2]))
     a, b = backend.randn(2), backend.randn(2)
     torch.testing.assert_close(graphed(TensorDict(b=b, a=a, batch_size=[2])), a - b)
+
+
+def _batch(backend: Backend, n: int = 4, **overrides: Any) -> TensorDict:
+    entries = {"obs": backend.randn(n, 3), "reward": backend.randn(n, 1), "done": backend.randn(n)}
+    entries.update(overrides)
+    return TensorDict(entries, batch_size=[n])
+
+
+def _batch_step(td: TensorDict) -> dict[str, torch.Tensor]:
+    return {"value": td["obs"].sum(-1, keepdim=True) + td["reward"], "done": td["done"] * 2}
+
+
+def test_one_tensordict_batch_is_read_by_key_and_matches_eager(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    graphed = backend.wrap(_batch_step, warmup=2)
+    for _ in range(2):
+        graphed(_batch(backend))
+    full_checks = 0
+    match = graphed._runner.captured.signature.match
+
+    def counting_match(*args: Any) -> Any:
+        nonlocal full_checks
+        full_checks += 1
+        return match(*args)
+
+    monkeypatch.setattr(graphed._runner.captured.signature, "match", counting_match)
+    graphed._runner.replay = graphed._runner.captured._replay_function()
+    graphed._follow(graphed._runner)
+    results = []
+    for _ in range(3):
+        td = _batch(backend)
+        # Keys set in another order than at capture: the same layout.
+        td = TensorDict({k: td[k] for k in ("reward", "done", "obs")}, batch_size=[4])
+        results.append((graphed(td), _batch_step(td)))
+    for actual, expected in results:  # every result is its own memory
+        torch.testing.assert_close(actual, expected)
+    assert full_checks == 0
+
+
+@pytest.mark.parametrize(
+    "mutation",
+    [
+        "missing key",
+        "extra key",
+        "batch size",
+        "entry shape",
+        "entry dtype",
+        "nested TensorDict entry",
+        "dimension names",
+        "entry device",
+    ],
+)
+def test_one_tensordict_batch_that_differs_is_refused(backend: Backend, mutation: str) -> None:
+    graphed = backend.wrap(_batch_step, warmup=1)
+    graphed(_batch(backend))
+    td = _batch(backend)
+    error: type[Exception] = ValueError
+    if mutation == "missing key":
+        del td["reward"]
+        error, message = KeyError, 'lacks the key(s) args[0]["reward"]'
+    elif mutation == "extra key":
+        td["other"] = backend.randn(4)
+        message = '  extra: args[0]["other"]'
+    elif mutation == "batch size":
+        td = _batch(backend, n=5)
+        message = "captured with args[0] of batch size [4], but received batch size [5]."
+    elif mutation == "entry shape":
+        td["obs"] = backend.randn(4, 2)
+        message = 'captured with args[0]["obs"] of shape (4, 3), but received shape (4, 2).'
+    elif mutation == "entry dtype":
+        td["done"] = td["done"].double()
+        message = 'captured with args[0]["done"] of dtype torch.float32, but received dtype'
+    elif mutation == "nested TensorDict entry":
+        td["done"] = TensorDict(x=backend.randn(4), batch_size=[4])
+        message = 'args[0]["done"]'
+    elif mutation == "dimension names":
+        td.names = ["batch"]
+        message = "names"
+    else:
+        other = torch.device("meta") if backend.name == "emulate" else torch.device("cpu")
+        td = TensorDict({k: v.to(other) for k, v in td.items()}, batch_size=[4])
+        message = 'args[0]["done"] on device'
+    _check_raises(graphed, (td,), {}, error, message)
+    good = _batch(backend)
+    torch.testing.assert_close(graphed(good), _batch_step(good))
