@@ -153,6 +153,9 @@ def capture_cost(workload: workloads.Workload) -> dict[str, Any]:
     with grad_context(workload):
         for name, make in workload.captures.items():
             gc.collect()
+            # cudagraph_td frees cuBLAS's workspaces around a capture (see its backend): free
+            # them first, so that neither wrapper is credited with memory that it freed.
+            torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.empty_cache()
             sync()
             allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()

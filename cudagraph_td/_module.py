@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
-from tensordict.nn.probabilistic import interaction_type
+from tensordict.nn import probabilistic
 
 from . import _graph, _tdmodule
 from ._backend import Backend, check_options, make_backend
@@ -17,7 +17,11 @@ from ._tdmodule import NOT_HANDLED
 
 BackendName = Literal["auto", "cuda", "emulate"]
 
-_is_grad_enabled = torch.is_grad_enabled  # read at every call: one lookup less
+# Read at every call, so bound once. tensordict's `interaction_type()` returns its mode
+# holder's `get_mode()`: calling that directly saves a Python call where it exists.
+_is_grad_enabled = torch.is_grad_enabled
+_holder = getattr(probabilistic, "_interaction_type", None)
+interaction_type = getattr(_holder, "get_mode", probabilistic.interaction_type)
 
 
 class CudaGraphModule:
