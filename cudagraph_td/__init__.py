@@ -2,6 +2,7 @@
 
 from ._graphed_callables import make_graphed_callables as make_graphed_callables
 from ._module import CudaGraphModule as CudaGraphModule
+from ._verify import VerificationError as VerificationError
 from ._version import __version__ as __version__
 
-__all__ = ["CudaGraphModule", "__version__", "make_graphed_callables"]
+__all__ = ["CudaGraphModule", "VerificationError", "__version__", "make_graphed_callables"]

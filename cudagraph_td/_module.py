@@ -11,7 +11,7 @@ from typing import Any, Literal
 import torch
 from tensordict.nn import probabilistic
 
-from . import _graph, _tdmodule
+from . import _graph, _tdmodule, _verify
 from ._backend import Backend, check_options, make_backend
 from ._tdmodule import NOT_HANDLED
 
@@ -74,9 +74,17 @@ class CudaGraphModule:
             contract (static buffers, outputs overwritten at each replay), which lets the
             code that uses the wrapper be tested on a machine without a GPU (experimental);
             ``"auto"`` for ``"cuda"`` when CUDA is available, else eager calls.
+        verify: How many replays, after the capture, also run the function eagerly on
+            copies of their inputs and compare the results and the inputs updated in place,
+            raising a [VerificationError][cudagraph_td.VerificationError] that names the
+            first leaf that differs and its likely cause (see [sharp edges][sharp-edges]).
+            A debugging aid: a verified replay synchronises the host and costs an eager
+            call more. It cannot check a training step, nor a function that draws random
+            numbers. Defaults to 0.
 
     Raises:
-        ValueError: ``warmup``, ``capture_error_mode`` or ``backend`` has no valid value.
+        ValueError: ``warmup``, ``capture_error_mode``, ``backend`` or ``verify`` has no valid
+            value.
         RuntimeError: ``backend="cuda"`` on a machine without CUDA.
 
     Example:
@@ -111,9 +119,12 @@ class CudaGraphModule:
         pool: Any = None,
         capture_error_mode: str = "global",
         backend: BackendName = "auto",
+        verify: int = 0,
     ):
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"`warmup` must be an integer greater than 0, got {warmup!r}.")
+        if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
+            raise ValueError(f"`verify` must be an integer of 0 or more, got {verify!r}.")
         check_options(backend, capture_error_mode)
         if backend == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(
@@ -138,6 +149,7 @@ class CudaGraphModule:
                 stacklevel=2,
             )
         self._fn = module
+        self._verifier = _verify.Verifier(name, module, verify) if verify else None
         self._td_call: _tdmodule.TensorDictCall | None = None
         if self.in_keys is not None:
             self._fn = _tdmodule.recording_writes(module)
@@ -182,6 +194,10 @@ class CudaGraphModule:
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call that warms up or captures the graph, or that the replay path left over."""
         runner = self._runner
+        verifier = self._verifier
+        if verifier is not None and (runner.captured is None or not verifier.left):
+            verifier = None  # only replays are verified, and only the first ones
+        copies = None if verifier is None else verifier.copy_inputs(args, kwargs)
         if self._td_call is not None:
             out = self._td_call.call(*args, **kwargs)
             if runner.captured is not None and runner.replay is None:
@@ -192,6 +208,13 @@ class CudaGraphModule:
                 # The captured call's own hot path, without the call through its __call__.
                 runner.replay = getattr(runner.captured, "replay", runner.captured)
         self._follow(runner)
+        if verifier is not None:
+            assert runner.backend is not None
+            training_step = getattr(runner.captured, "watch", None) is not None
+            verifier.check(
+                copies, args, kwargs, out, device=runner.backend.device, training_step=training_step
+            )
+            self._follow(runner)  # the replay path, once the last verified replay is done
         return out
 
     def _follow(self, runner: _graph.GraphRunner) -> None:
@@ -199,6 +222,8 @@ class CudaGraphModule:
         self._runner = runner
         self._interaction, self._grad, self._training = self._key
         self._replay = _tdmodule.not_handled if runner.replay is None else runner.replay
+        if self._verifier is not None and self._verifier.left:
+            self._replay = _tdmodule.not_handled  # replays to verify take `_call`
 
     def _new_runner(self) -> _graph.GraphRunner:
         make_backend = None
