@@ -73,13 +73,13 @@ class Verifier:
         with _state_kept(self.fn, device), torch.no_grad():
             expected = self.fn(*copy_args, **copy_kwargs)
         difference = _first_difference(out, expected, "output")
-        if difference is None:
-            difference = _first_difference((args, kwargs), copies, "input")
+        if difference is None:  # the inputs that the function updates in place
+            difference = _first_difference((args, kwargs), copies, None)
         if difference is not None:
             raise VerificationError(self._message(*difference))
 
     def _message(self, path: str, detail: str) -> str:
-        where = f"returned {path}" if path.startswith("output") else f"left {path}"
+        where = f"returned {path}" if path.startswith("output") else f"updated {path} in place"
         return (
             f"{self.name} replay {self.done} (verify=) {where} unlike an eager run of the "
             f"function on the same inputs: {detail} A graph replays the kernels recorded at "
@@ -93,8 +93,12 @@ class Verifier:
         )
 
 
-def _first_difference(actual: Any, expected: Any, root: str) -> tuple[str, str] | None:
-    """The path of the first leaf where ``actual`` and ``expected`` differ, and how, if any."""
+def _first_difference(actual: Any, expected: Any, root: str | None) -> tuple[str, str] | None:
+    """The path of the first leaf where ``actual`` and ``expected`` differ, and how, if any.
+
+    ``root`` names the trees in the path (see `_tree.format_path`); ``None`` for a call's
+    ``(args, kwargs)``.
+    """
     leaves, spec = _tree.flatten(actual)
     expected_leaves, expected_spec = _tree.flatten(expected)
     if spec != expected_spec:

@@ -84,6 +84,25 @@ def test_a_python_value_read_at_capture_is_named() -> None:
     assert "a Python value read at capture" in str(info.value)
 
 
+@requires_cuda
+def test_an_input_updated_in_place_is_named() -> None:
+    settings = {"scale": 2.0}
+
+    def fn(x: torch.Tensor, td: TensorDict) -> torch.Tensor:
+        td["obs"].mul_(settings["scale"])
+        return x + 1
+
+    graphed = CudaGraphModule(fn, warmup=1, verify=1)
+    x = torch.randn(3, device="cuda")
+    graphed(x, TensorDict(obs=torch.randn(2, device="cuda"), batch_size=[2]))
+    settings["scale"] = 3.0
+    with pytest.raises(
+        VerificationError,
+        match=re.escape('replay 1 (verify=) updated args[1]["obs"] in place unlike an eager run'),
+    ):
+        graphed(x, TensorDict(obs=torch.randn(2, device="cuda"), batch_size=[2]))
+
+
 def test_module_state_is_left_as_the_replay_left_it(backend: Backend) -> None:
     # Batch norm in training mode updates its running statistics in place: the eager run of
     # a verified replay must not update them a second time.
