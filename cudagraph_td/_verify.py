@@ -102,7 +102,7 @@ def _first_difference(actual: Any, expected: Any, root: str | None) -> tuple[str
     leaves, spec = _tree.flatten(actual)
     expected_leaves, expected_spec = _tree.flatten(expected)
     if spec != expected_spec:
-        return root, f"another structure ({spec} instead of {expected_spec})."
+        return root or "(args, kwargs)", f"another structure ({spec} instead of {expected_spec})."
     paths = _tree.leaf_paths(actual, root=root)
     for path, a, e in zip(paths, leaves, expected_leaves, strict=True):
         if isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor):
