@@ -20,7 +20,7 @@ status=0
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c 'import torch, tensordict, optree; print("torch", torch.__version__, "tensordict", tensordict.__version__, "optree", optree.__version__)'
 } 2>&1 | tee "$out/env.log"
-python3 -m pytest -q -p no:cacheprovider tests cudagraph_td "$@" 2>&1 | tee "$out/gpu-tests.log" || status=1
+CATALOG_EXAMPLES=${CATALOG_EXAMPLES:-200} python3 -m pytest -q -p no:cacheprovider tests cudagraph_td "$@" 2>&1 | tee "$out/gpu-tests.log" || status=1
 for example in examples/*.py; do
   echo "== $example" | tee -a "$out/examples.log"
   python3 "$example" 2>&1 | tee -a "$out/examples.log" || status=1

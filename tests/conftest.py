@@ -77,3 +77,27 @@ def counting(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     wrapper.calls = 0  # type: ignore[attr-defined]
     return wrapper
+
+
+# Figures that reliability tests measure (cases tried, memory before and after a long run),
+# printed at the end of the session: "name" -> {"quantity": value}.
+FIGURES: dict[str, dict[str, Any]] = {}
+
+
+def record(name: str, **values: Any) -> None:
+    """Add ``values`` to the figures reported under ``name``, summing counts."""
+    figures = FIGURES.setdefault(name, {})
+    for key, value in values.items():
+        if isinstance(value, int) and not isinstance(value, bool) and key in figures:
+            figures[key] += value
+        else:
+            figures[key] = value
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not FIGURES:
+        return
+    terminalreporter.section("reliability figures")
+    for name, values in FIGURES.items():
+        text = ", ".join(f"{key}: {value}" for key, value in values.items())
+        terminalreporter.write_line(f"{name}: {text}")

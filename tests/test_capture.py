@@ -89,6 +89,8 @@ HOST_SYNCS: dict[str, Callable[[torch.Tensor], Any]] = {
     "synchronize": lambda y: torch.cuda.synchronize(),
     "nonzero": lambda y: y.nonzero(),
     "python-data-to-cuda": lambda y: torch.tensor([1.0, 2.0], device=y.device),
+    "copy-to-cpu": lambda y: y.cpu(),
+    "cpu-tensor-to-cuda": lambda y: y + torch.ones(3).to(y.device),
 }
 
 
@@ -217,3 +219,31 @@ def test_graph_next_to_torch_compile_cuda_graph_trees(cuda: Backend) -> None:
             torch.compiler.cudagraph_mark_step_begin()
             expected = compiled(x).clone()
             torch.testing.assert_close(graphed(x), expected)
+
+
+def test_garbage_collection_is_held_off_during_capture(cuda: Backend) -> None:
+    # A collection during a capture may free tensors of other streams, which is illegal
+    # while a stream captures (pytorch#161037): the wrapper holds it off, and restores it,
+    # after a capture that failed too.
+    import gc
+
+    seen: list[bool] = []
+    fail = {"now": True}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        seen.append(gc.isenabled())
+        if fail["now"] and torch.cuda.is_current_stream_capturing():
+            raise ValueError("fails while recording")
+        return x * 2
+
+    graphed = cuda.wrap(fn, warmup=2)
+    x = cuda.randn(3)
+    graphed(x)  # warm-up
+    with pytest.raises(RuntimeError):
+        graphed(x)  # the eager run of the capturing call, then the failed recording
+    assert seen == [True, True, False] and gc.isenabled()
+    fail["now"] = False
+    torch.testing.assert_close(graphed(x), x * 2)
+    assert seen[3:] == [True, False] and gc.isenabled()
+    torch.testing.assert_close(graphed(x), x * 2)
+    assert len(seen) == 5  # the replay runs no Python
