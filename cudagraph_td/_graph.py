@@ -153,13 +153,9 @@ class CapturedCall:
                     tensors = read_tensordict(args[0])
             elif not kwargs and len(args) == n_positional:
                 try:
-                    if n_positional == 1:  # one tensor: no list to build
-                        t = args[0]
-                        same = (type(t), t.shape, t.dtype, t.device, t.requires_grad) == first
-                    else:
-                        same = [
-                            (type(t), t.shape, t.dtype, t.device, t.requires_grad) for t in args
-                        ] == positional
+                    same = [
+                        (type(t), t.shape, t.dtype, t.device, t.requires_grad) for t in args
+                    ] == positional
                     tensors = args if same else None
                 except AttributeError:  # a non-tensor where the capture had a tensor
                     pass
