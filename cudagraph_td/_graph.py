@@ -24,6 +24,52 @@ from ._signature import Signature, validate
 _PACK_LIMIT_BYTES = 1 << 24
 
 
+class FreshCopies:
+    """Copies of a graph's static tensors in new memory, made at each call (see `make`).
+
+    Small contiguous tensors come back as views of one new buffer per dtype, filled by one
+    multi-tensor copy: one allocation and one kernel launch per call instead of one of each
+    per tensor. Others are cloned one by one.
+    """
+
+    def __init__(self, static: list[torch.Tensor], device: torch.device):
+        self.static = static
+        self.device = device
+        # One buffer per dtype: (dtype, numel, indices of its tensors, their views' layouts).
+        self._groups: list[tuple[torch.dtype, int, list[int], list[_Layout]]] = []
+        packable = (
+            len(static) > 1
+            and all(t.is_contiguous() and not t.requires_grad for t in static)
+            and sum(t.numel() * t.element_size() for t in static) <= _PACK_LIMIT_BYTES
+        )
+        if packable:
+            for dtype in dict.fromkeys(t.dtype for t in static):
+                indices = [i for i, t in enumerate(static) if t.dtype == dtype]
+                layouts, numel = [], 0
+                for i in indices:
+                    t = static[i]
+                    layouts.append((t.shape, t.stride(), numel))
+                    numel += t.numel()
+                self._groups.append((dtype, numel, indices, layouts))
+
+    def make(self) -> list[torch.Tensor]:
+        """Copies of the static tensors, in their order."""
+        if not self._groups:
+            return [t.clone() for t in self.static]
+        if len(self._groups) == 1:  # one dtype: its views are the copies, in their order
+            dtype, numel, _, layouts = self._groups[0]
+            fresh = _views(torch.empty(numel, dtype=dtype, device=self.device), layouts)
+            torch._foreach_copy_(fresh, self.static)
+            return fresh
+        fresh = list(self.static)
+        for dtype, numel, indices, layouts in self._groups:
+            views = _views(torch.empty(numel, dtype=dtype, device=self.device), layouts)
+            for i, view in zip(indices, views, strict=True):
+                fresh[i] = view
+        torch._foreach_copy_(fresh, self.static)
+        return fresh
+
+
 class Outputs:
     """How to turn the graph's static outputs into a result in fresh memory."""
 
@@ -42,45 +88,14 @@ class Outputs:
         self.template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         self.single_tensor = self.spec.is_leaf() and bool(self.static)
         self.all_tensors = len(self.static) == len(leaves)
-        # One buffer per dtype: (dtype, numel, indices of its outputs, their views' layouts).
-        self._groups: list[tuple[torch.dtype, int, list[int], list[_Layout]]] = []
-        packable = (
-            len(self.static) > 1
-            and all(t.is_contiguous() and not t.requires_grad for t in self.static)
-            and sum(t.numel() * t.element_size() for t in self.static) <= _PACK_LIMIT_BYTES
-        )
-        if packable:
-            for dtype in dict.fromkeys(t.dtype for t in self.static):
-                indices = [i for i, t in enumerate(self.static) if t.dtype == dtype]
-                layouts, numel = [], 0
-                for i in indices:
-                    t = self.static[i]
-                    layouts.append((t.shape, t.stride(), numel))
-                    numel += t.numel()
-                self._groups.append((dtype, numel, indices, layouts))
+        self.copies = FreshCopies(self.static, device)
+        self.fresh_tensors = self.copies.make
 
     def fresh(self) -> Any:
         """The result of the last replay, in memory that no later replay writes."""
         if self.single_tensor:  # the most common result, without a tree to rebuild
             return self.static[0].clone()
         return self.rebuild(self.fresh_tensors())
-
-    def fresh_tensors(self) -> list[torch.Tensor]:
-        """Copies of the static output tensors, in their order."""
-        if not self._groups:
-            return [t.clone() for t in self.static]
-        if len(self._groups) == 1:  # one dtype: its views are the outputs, in their order
-            dtype, numel, _, layouts = self._groups[0]
-            fresh = _views(torch.empty(numel, dtype=dtype, device=self.device), layouts)
-            torch._foreach_copy_(fresh, self.static)
-            return fresh
-        fresh = list(self.static)
-        for dtype, numel, indices, layouts in self._groups:
-            views = _views(torch.empty(numel, dtype=dtype, device=self.device), layouts)
-            for i, view in zip(indices, views, strict=True):
-                fresh[i] = view
-        torch._foreach_copy_(fresh, self.static)
-        return fresh
 
     def rebuild(self, tensors: list[torch.Tensor]) -> Any:
         """The result tree, with ``tensors`` in place of the static output tensors."""

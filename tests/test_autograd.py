@@ -160,6 +160,28 @@ def test_training_loop_tracks_the_eager_twin(backend: Backend) -> None:
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 
+def test_gradients_kept_from_an_earlier_backward_are_not_overwritten(backend: Backend) -> None:
+    # With `.grad` set to None between steps, autograd keeps the gradient tensors that the
+    # backward returned: they must be new memory at each backward (one buffer per call,
+    # shared by that call's gradients), never the graph's.
+    net = _mlp(backend)
+    twin = copy.deepcopy(net)
+    graphed = backend.graph_callables(net, (backend.randn(8, 4),))
+    kept = []
+    for _ in range(3):
+        x = backend.randn(8, 4)
+        net.zero_grad(set_to_none=True)
+        twin.zero_grad(set_to_none=True)
+        graphed(x).pow(2).sum().backward()
+        twin(x).pow(2).sum().backward()
+        kept.append(
+            ([p.grad for p in net.parameters()], [p.grad.clone() for p in twin.parameters()])
+        )
+    for grads, expected in kept:
+        for g, e in zip(grads, expected, strict=True):
+            torch.testing.assert_close(g, e)
+
+
 def test_frozen_parameters_and_unused_inputs(backend: Backend) -> None:
     net = _mlp(backend)
     net[0].requires_grad_(False)
