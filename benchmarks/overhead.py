@@ -1,15 +1,17 @@
 """Where the CPU time of one replay goes: the wrapper's path, step by step, against the floor.
 
-    python benchmarks/overhead.py [a] [d]
+    python benchmarks/overhead.py [a] [d] [e]
 
-On CUDA, for workload (a) of the benchmark (``x + 1`` on 16 elements) and (d) (a whole SAC
-update on a TensorDict batch): the time to issue a hand-written replay (the floor),
+On CUDA, for workloads (a) of the benchmark (``x + 1`` on 16 elements), (d) (a whole SAC
+update on a TensorDict batch) and (e) (an MLP's graphed forward and backward): the time to
+issue a hand-written replay (the floor; torch's ``make_graphed_callables`` for (e)),
 ``CudaGraphModule``'s call, tensordict's, and each step of their paths on its own. Times
 are CPU microseconds per call (see ``run.time_cpu``), the minimum over rounds.
 """
 
 from __future__ import annotations
 
+import copy
 import pathlib
 import sys
 from collections.abc import Callable
@@ -131,7 +133,34 @@ def sac_update() -> Steps:
     }
 
 
-PROFILES = {"a": tiny_op, "d": sac_update}
+def forward_backward() -> Steps:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(64, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 1),
+    ).cuda()
+    x = torch.randn(128, 64, device="cuda")
+    theirs = torch.cuda.make_graphed_callables(copy.deepcopy(net), (x.clone(),))
+    ours = cudagraph_td.make_graphed_callables(copy.deepcopy(net), (x.clone(),))
+
+    def train(model: Any) -> Callable[[], None]:
+        def step() -> None:
+            model(x).sum().backward()
+
+        return step
+
+    return {
+        "floor (torch's): forward": lambda: theirs(x),
+        "cudagraph_td: forward": lambda: ours(x),
+        "floor (torch's): forward, backward": train(theirs),
+        "cudagraph_td: forward, backward": train(ours),
+    }
+
+
+PROFILES = {"a": tiny_op, "d": sac_update, "e": forward_backward}
 
 
 def main() -> None:
@@ -145,8 +174,9 @@ def main() -> None:
     for name in chosen:
         print(f"\n({name})")
         with torch.no_grad() if name == "a" else torch.enable_grad():
+            calls = 400 if name == "e" else 4000  # (e) costs about 1 ms a call
             for step, call in PROFILES[name]().items():
-                print(f"{step:66} {best(call):7.2f} us")
+                print(f"{step:66} {best(call, calls):7.2f} us")
 
 
 if __name__ == "__main__":
