@@ -17,7 +17,7 @@ import torch
 
 from . import _errors, _tree
 from ._backend import Backend, Graph, replay_function
-from ._graph import FreshCopies, Outputs
+from ._graph import Outputs
 from ._signature import Signature
 
 
@@ -92,11 +92,7 @@ class _GraphedFunction(torch.autograd.Function):
             torch._foreach_copy_(call.static_grad_outputs, [grads[i] for i in call.differentiable])
         call.replay_backward()
         # Fresh memory: gradients accumulated over two backward passes must not alias.
-        fresh: list[torch.Tensor | None] = call.grad_copies.make()  # type: ignore[assignment]
-        if call.grad_present is not None:  # some inputs get no gradient: None in their place
-            fresh, copies = [None] * len(call.static_grad_inputs), fresh
-            for i, t in zip(call.grad_present, copies, strict=True):
-                fresh[i] = t
+        fresh = [None if g is None else g.clone() for g in call.static_grad_inputs]
         return (None, *(None if slot < 0 else fresh[slot] for slot in call.grad_slots))
 
 
@@ -123,10 +119,6 @@ class DifferentiableCall:
         self.non_differentiable: list[int] = []
         self.static_grad_outputs: list[torch.Tensor] = []
         self.static_grad_inputs: tuple[torch.Tensor | None, ...] = ()
-        # The gradients' copies, made at each backward; the indices of the inputs that get
-        # one, or None when all do.
-        self.grad_copies: FreshCopies
-        self.grad_present: list[int] | None = None
         self.grad_slots: list[int] = []
         self.saved_tensors: list[torch.Tensor] = []  # what the backward graph reads
 
@@ -318,10 +310,6 @@ class Capture:
         call.static_outputs = call.outputs.static = [t.detach() for t in call.static_outputs]
         assert grads is not None
         call.static_grad_inputs = tuple(grads)
-        present = [i for i, g in enumerate(grads) if g is not None]
-        computed = [g for g in grads if g is not None]
-        call.grad_copies = FreshCopies(computed, self.backend.device)
-        call.grad_present = None if len(present) == len(grads) else present
         slots = [-1] * call.n_inputs
         for slot, i in enumerate(self.grad_inputs):
             slots[i] = slot
