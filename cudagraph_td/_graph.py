@@ -77,8 +77,8 @@ class Outputs:
         leaves, self.spec = _tree.flatten(out)
         paths = _tree.leaf_paths(out, root="output")
         self.tensor_index = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        self.static = [leaves[i] for i in self.tensor_index]
-        for i, t in zip(self.tensor_index, self.static, strict=True):
+        static = [leaves[i] for i in self.tensor_index]
+        for i, t in zip(self.tensor_index, static, strict=True):
             if t.requires_grad and not allow_grad:
                 raise _errors.outputs_require_grad(name, paths[i])
             if t.device != device:
@@ -86,10 +86,21 @@ class Outputs:
         self.device = device
         # The constants of the result; its tensors are filled in at each call.
         self.template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        self.single_tensor = self.spec.is_leaf() and bool(self.static)
-        self.all_tensors = len(self.static) == len(leaves)
-        self.copies = FreshCopies(self.static, device)
+        self.single_tensor = self.spec.is_leaf() and bool(static)
+        self.all_tensors = len(static) == len(leaves)
+        self.copies = FreshCopies(static, device)
         self.fresh_tensors = self.copies.make
+
+    @property
+    def static(self) -> list[torch.Tensor]:
+        """The graph's output tensors, which each replay overwrites."""
+        return self.copies.static
+
+    @static.setter
+    def static(self, tensors: list[torch.Tensor]) -> None:
+        # One list, held by the copier: an old one (a recorded autograd graph's outputs,
+        # replaced by their detached views) must not stay alive anywhere.
+        self.copies.static = tensors
 
     def fresh(self) -> Any:
         """The result of the last replay, in memory that no later replay writes."""
