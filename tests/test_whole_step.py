@@ -156,6 +156,23 @@ def test_changed_float_learning_rate_is_reported(backend: Backend) -> None:
     torch.testing.assert_close(net.weight, twin_net.weight)
 
 
+def test_equal_hyperparameter_in_a_new_object_replays_and_a_deleted_one_is_reported(
+    backend: Backend,
+) -> None:
+    step, net, opt = _sgd_step(backend)
+    twin, twin_net, _ = _sgd_step(backend)
+    twin_net.load_state_dict(net.state_dict())
+    graphed = backend.wrap(step, warmup=2)
+    for i in range(6):
+        if i == 3:  # a scheduler that wrote the same number, as a new object
+            opt.param_groups[0]["lr"] = float("0.01")
+        torch.testing.assert_close(graphed(x := backend.randn(8, 3)), twin(x))
+    torch.testing.assert_close(net.weight, twin_net.weight)
+    del opt.param_groups[0]["momentum"]
+    with pytest.raises(RuntimeError, match=re.escape("param_groups[0]['momentum'] = 0.9, which")):
+        graphed(backend.randn(8, 3))
+
+
 def test_replaced_tensor_learning_rate_is_reported(backend: Backend) -> None:
     w = torch.zeros(3, device=backend.device, requires_grad=True)
     opt = torch.optim.Adam(
