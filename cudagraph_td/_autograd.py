@@ -106,6 +106,7 @@ class DifferentiableCall:
         self.static_inputs = signature.static_inputs
         self.generation = 0
         self._match = signature.match
+        self._quick_read = signature.quick_read
         self._mutated = mutated
         # Filled in by ``Capture``:
         self.params: list[torch.Tensor] = []
@@ -123,7 +124,9 @@ class DifferentiableCall:
         self.saved_tensors: list[torch.Tensor] = []  # what the backward graph reads
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        tensors = self._match(args, kwargs)
+        tensors = self._quick_read(args, kwargs)
+        if tensors is None:
+            tensors = self._match(args, kwargs)
         outputs = _GraphedFunction.apply(self, *tensors, *self.params)
         if self._mutated:  # in-place updates of inputs reach the caller, as in eager
             with torch.no_grad():
@@ -131,6 +134,8 @@ class DifferentiableCall:
                     [tensors[i] for i in self._mutated],
                     [self.static_inputs[i] for i in self._mutated],
                 )
+        if self.outputs.single_tensor:  # the most common result, without a tree to rebuild
+            return outputs[0]
         return self.outputs.rebuild(list(outputs))
 
 

@@ -162,29 +162,16 @@ class CapturedCall:
         if self.outputs.single_tensor:  # the most common result: no tree to rebuild
             fresh = self.outputs.static[0].clone
 
+        quick_read = self.signature.quick_read
         positional = self.signature.positional_types
         n_positional = -1 if positional is None else len(positional)
         first = None if positional is None else positional[0]
-        tensordict_arg = self.signature.tensordict_arg
-        read_tensordict = None if tensordict_arg is None else tensordict_arg.read
 
         def replay(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            # The commonest calls, positional tensors and one TensorDict, are checked here,
-            # in the fewest attribute reads (see `quick_meta`); any other call, and any
-            # mismatch, goes to the full check, which flattens the inputs and raises the
-            # error that names the leaf.
-            tensors: Any = None
-            if read_tensordict is not None:
-                if not kwargs and len(args) == 1:
-                    tensors = read_tensordict(args[0])
-            elif not kwargs and len(args) == n_positional:
-                try:
-                    same = [
-                        (type(t), t.shape, t.dtype, t.device, t.requires_grad) for t in args
-                    ] == positional
-                    tensors = args if same else None
-                except AttributeError:  # a non-tensor where the capture had a tensor
-                    pass
+            # The commonest calls, positional tensors and one TensorDict, are read and
+            # checked without flattening; any other call, and any mismatch, goes to the full
+            # check, which flattens the inputs and raises the error that names the leaf.
+            tensors = quick_read(args, kwargs)
             if tensors is None:
                 tensors = match(args, kwargs)
             if watch is not None:  # a training step: its gradients and hyperparameters

@@ -118,6 +118,26 @@ class Signature:
         """New containers (tuples, dicts, TensorDicts) around the graph's static input tensors."""
         return _tree.unflatten(self.spec, self._static_leaves)  # type: ignore[no-any-return]
 
+    def quick_read(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The tensor leaves of one of the commonest calls, read without flattening, or None.
+
+        Positional tensors, or one TensorDict of tensors, of the captured metadata (see
+        :func:`quick_meta`); any other call, or any difference, returns None for
+        :meth:`match` to check (and explain).
+        """
+        if kwargs:
+            return None
+        if self.tensordict_arg is not None:
+            return self.tensordict_arg.read(args[0]) if len(args) == 1 else None
+        positional = self.positional_types
+        if positional is None or len(args) != len(positional):
+            return None
+        try:
+            metas = [(type(t), t.shape, t.dtype, t.device, t.requires_grad) for t in args]
+        except AttributeError:  # a non-tensor where the capture had a tensor
+            return None
+        return args if metas == positional else None
+
     def match(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """The tensor leaves of a call, checked against the capture (the replay's check).
 

@@ -405,3 +405,17 @@ def test_torch_documentation_usage_with_the_import_swapped(cuda: Backend) -> Non
             opt.step()
     for graphed, twin in zip((module1, module2, module3), twins, strict=True):
         torch.testing.assert_close(graphed.weight, twin.weight, rtol=1e-4, atol=1e-5)
+
+
+def test_wrong_inputs_of_a_graphed_callable_are_refused(backend: Backend) -> None:
+    net = _mlp(backend)
+    twin = copy.deepcopy(net)
+    graphed = backend.graph_callables(net, (backend.randn(8, 4),))
+    with pytest.raises(ValueError, match=re.escape("of shape (8, 4), but received shape (8, 5)")):
+        graphed(backend.randn(8, 5))
+    with pytest.raises(ValueError, match=re.escape("of dtype torch.float32, but received dtype")):
+        graphed(backend.randn(8, 4).double())
+    with pytest.raises(ValueError):
+        graphed(backend.randn(8, 4), backend.randn(8, 4))
+    x = backend.randn(8, 4)  # intact: a good call still matches eager
+    torch.testing.assert_close(graphed(x), twin(x))
