@@ -10,6 +10,7 @@ the offending leaf and build the error that names it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, cast
 
 import optree
@@ -113,6 +114,12 @@ class Signature:
         self.positional_types = [quick_meta(t) for t in args] if positional else None
         # A call of one TensorDict of tensors (a batch), the other common call, is read by key.
         self.tensordict_arg = TensorDictArg.of(args, kwargs)
+        # What `quick_read` compares, for either call.
+        self.quick_expected = (
+            self.tensordict_arg.expected
+            if self.tensordict_arg is not None
+            else self.positional_types
+        )
 
     def static_tree(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """New containers (tuples, dicts, TensorDicts) around the graph's static input tensors."""
@@ -125,18 +132,23 @@ class Signature:
         :func:`quick_meta`); any other call, or any difference, returns None for
         :meth:`match` to check (and explain).
         """
-        if kwargs:
+        expected = self.quick_expected
+        if kwargs or expected is None:
             return None
+        tensors: Sequence[Any] | None
         if self.tensordict_arg is not None:
-            return self.tensordict_arg.read(args[0]) if len(args) == 1 else None
-        positional = self.positional_types
-        if positional is None or len(args) != len(positional):
+            tensors = self.tensordict_arg.read(args[0]) if len(args) == 1 else None
+            if tensors is None:
+                return None
+        elif len(args) == len(expected):
+            tensors = args
+        else:
             return None
         try:
-            metas = [(type(t), t.shape, t.dtype, t.device, t.requires_grad) for t in args]
+            metas = [(type(t), t.shape, t.dtype, t.device, t.requires_grad) for t in tensors]
         except AttributeError:  # a non-tensor where the capture had a tensor
             return None
-        return args if metas == positional else None
+        return tensors if metas == expected else None
 
     def match(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """The tensor leaves of a call, checked against the capture (the replay's check).
@@ -275,8 +287,9 @@ class TensorDictArg:
     """The layout of a call of one plain TensorDict of tensors, read without flattening.
 
     :meth:`read` returns the entries of a TensorDict of the captured layout (type, batch
-    size, device, keys, no names) in the order of the graph's static inputs, with the quick
-    metadata (see :func:`quick_meta`) they must have; anything else takes the full check.
+    size, device, keys, no names) in the order of the graph's static inputs; ``expected``
+    is the quick metadata (see :func:`quick_meta`) that :meth:`Signature.quick_read` then
+    compares. Anything else takes the full check.
     """
 
     def __init__(self, td: TensorDict):
@@ -302,8 +315,6 @@ class TensorDictArg:
         if len(entries) != len(self.keys) or td.device != self.device or td._has_names():
             return None
         try:
-            tensors = [entries[key] for key in self.keys]
-            metas = [(type(t), t.shape, t.dtype, t.device, t.requires_grad) for t in tensors]
-        except (KeyError, AttributeError):
+            return [entries[key] for key in self.keys]
+        except KeyError:
             return None
-        return tensors if metas == self.expected else None
