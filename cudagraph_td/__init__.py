@@ -1,8 +1,15 @@
 """CUDA graphs made easy and safe for PyTorch and TensorDict users."""
 
+from ._errors import InputMismatchError as InputMismatchError
 from ._graphed_callables import make_graphed_callables as make_graphed_callables
 from ._module import CudaGraphModule as CudaGraphModule
 from ._verify import VerificationError as VerificationError
 from ._version import __version__ as __version__
 
-__all__ = ["CudaGraphModule", "VerificationError", "__version__", "make_graphed_callables"]
+__all__ = [
+    "CudaGraphModule",
+    "InputMismatchError",
+    "VerificationError",
+    "__version__",
+    "make_graphed_callables",
+]

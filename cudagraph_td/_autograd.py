@@ -11,13 +11,14 @@ two backward passes accumulate as in eager mode.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from . import _errors, _tree
-from ._backend import Backend, Graph, replay_function
-from ._graph import Outputs
+from ._backend import Backend, Graph
+from ._compat import foreach_copy_, graph_replay
+from ._outputs import Outputs
 from ._signature import Signature
 
 
@@ -60,13 +61,13 @@ class _GraphedFunction(torch.autograd.Function):
     def forward(
         ctx: Any, call: DifferentiableCall, *inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        n = call.n_inputs
+        n = len(call.static_inputs)
         if n:
-            torch._foreach_copy_(call.static_inputs, inputs[:n])
+            foreach_copy_(call.static_inputs, inputs[:n])
         call.replay_forward()
         call.generation += 1
         ctx.call, ctx.generation = call, call.generation
-        outputs = tuple(t.detach().clone() for t in call.static_outputs)
+        outputs = tuple(t.detach().clone() for t in call.outputs.static)
         if call.non_differentiable:
             ctx.mark_non_differentiable(*(outputs[i] for i in call.non_differentiable))
         return outputs
@@ -75,68 +76,76 @@ class _GraphedFunction(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         call: DifferentiableCall = ctx.call
         if torch.is_grad_enabled():
-            raise RuntimeError(
-                f"{call.name}: a double backward (`create_graph=True`, `torch.autograd.grad` of "
-                "a gradient) through a graphed callable is not supported: its backward is a "
-                "captured graph, which autograd cannot differentiate. Compute such gradients "
-                "eagerly."
-            )
+            raise _errors.double_backward(call.name)
         if ctx.generation != call.generation:
-            raise RuntimeError(
-                f"{call.name}: backward of an earlier call, after a later call of the same "
-                "graphed callable: the graph keeps the activations of the last call only, so "
-                "this gradient would be wrong. Run each call's backward before the next call "
-                "(graphs that share a pool: forwards in capture order, backwards in reverse)."
-            )
+            raise _errors.stale_backward(call.name)
         with torch.no_grad():
-            torch._foreach_copy_(call.static_grad_outputs, [grads[i] for i in call.differentiable])
+            foreach_copy_(call.static_grad_outputs, [grads[i] for i in call.differentiable])
         call.replay_backward()
         # Fresh memory: gradients accumulated over two backward passes must not alias.
         fresh = [None if g is None else g.clone() for g in call.static_grad_inputs]
         return (None, *(None if slot < 0 else fresh[slot] for slot in call.grad_slots))
 
 
-class DifferentiableCall:
-    """A call captured for autograd: calling it replays the forward inside an autograd node."""
+class ForwardGraph(NamedTuple):
+    """A captured forward: its graph, outputs, and the tensors its backward reads."""
 
-    def __init__(self, name: str, signature: Signature, mutated: list[int]):
+    graph: Graph
+    outputs: Outputs
+    differentiable: list[int]  # the outputs that require grad, by index
+    saved: list[torch.Tensor]  # what the forward saved for the backward, held alive
+
+
+class BackwardGraph(NamedTuple):
+    """A captured backward: its graph, and its static gradient buffers."""
+
+    graph: Graph
+    grad_outputs: list[torch.Tensor]  # the incoming gradients, one per differentiable output
+    grad_inputs: tuple[torch.Tensor | None, ...]  # the computed ones, per surface tensor
+    grad_slots: list[int]  # for each input of the node, its slot in grad_inputs, or -1
+
+
+class DifferentiableCall:
+    """A call captured for autograd: a launch replays the forward inside an autograd node."""
+
+    training_step = False
+    bare_replay: Callable[[], None] | None = None  # a launch goes through the autograd node
+
+    def __init__(
+        self,
+        name: str,
+        signature: Signature,
+        mutated: list[int],
+        params: list[torch.Tensor],
+        forward: ForwardGraph,
+        backward: BackwardGraph,
+    ):
         self.name = name
         self.signature = signature
-        self.n_inputs = len(signature.static_inputs)
         self.static_inputs = signature.static_inputs
-        self.generation = 0
-        self._match = signature.match
-        self._quick_read = signature.quick_read
+        self.params = params
+        self.outputs = forward.outputs
+        self.differentiable = forward.differentiable
+        n_outputs = len(forward.outputs.static)
+        self.non_differentiable = [i for i in range(n_outputs) if i not in forward.differentiable]
+        self.replay_forward = graph_replay(forward.graph)
+        self.replay_backward = graph_replay(backward.graph)
+        self.static_grad_outputs = backward.grad_outputs
+        self.static_grad_inputs = backward.grad_inputs
+        self.grad_slots = backward.grad_slots
+        self.generation = 0  # the number of forwards replayed: a backward must be the last's
+        self._graphs = (forward.graph, backward.graph)  # held for the life of the call
+        self._saved = forward.saved
         self._mutated = mutated
-        # Filled in by ``Capture``:
-        self.params: list[torch.Tensor] = []
-        self.forward_graph: Graph
-        self.backward_graph: Graph
-        self.replay_forward: Callable[[], None]  # the graphs' replay (see `replay_function`)
-        self.replay_backward: Callable[[], None]
-        self.outputs: Outputs
-        self.static_outputs: list[torch.Tensor] = []
-        self.differentiable: list[int] = []
-        self.non_differentiable: list[int] = []
-        self.static_grad_outputs: list[torch.Tensor] = []
-        self.static_grad_inputs: tuple[torch.Tensor | None, ...] = ()
-        self.grad_slots: list[int] = []
-        self.saved_tensors: list[torch.Tensor] = []  # what the backward graph reads
+        self._mutated_static = [signature.static_inputs[i] for i in mutated]
 
-    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        tensors = self._quick_read(args, kwargs)
-        if tensors is None:
-            tensors = self._match(args, kwargs)
+    def launch(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """Replay the forward on ``tensors`` (checked) inside the autograd node."""
         outputs = _GraphedFunction.apply(self, *tensors, *self.params)
         if self._mutated:  # in-place updates of inputs reach the caller, as in eager
             with torch.no_grad():
-                torch._foreach_copy_(
-                    [tensors[i] for i in self._mutated],
-                    [self.static_inputs[i] for i in self._mutated],
-                )
-        if self.outputs.single_tensor:  # the most common result, without a tree to rebuild
-            return outputs[0]
-        return self.outputs.rebuild(list(outputs))
+                foreach_copy_([tensors[i] for i in self._mutated], self._mutated_static)
+        return outputs  # type: ignore[no-any-return]
 
 
 def _differentiable_leaves(tree: Any) -> list[torch.Tensor]:
@@ -165,7 +174,9 @@ class Capture:
         self.backend = backend
         self.signature = signature
         self.allow_unused_input = allow_unused_input
-        self.call = DifferentiableCall(name, signature, mutated)
+        self.mutated = mutated
+        self.call: DifferentiableCall | None = None  # built by capture_backward
+        self._forward: ForwardGraph | None = None
         self.grad_inputs = [i for i, t in enumerate(signature.static_inputs) if t.requires_grad]
         self.example: Any = None  # an eager result, detached: its shapes, for the emulation
         self.requires_grad: list[bool] | None = None  # which of its tensors require grad
@@ -184,7 +195,6 @@ class Capture:
         # parameters, or any tensor a function reads from its enclosing scope.
         if self._params is None:
             self._params = _leaves_requiring_grad(_differentiable_leaves(outputs), inputs)
-            self.call.params = self._params
 
     def _run_forward(self) -> Any:
         args, kwargs = self.signature.static_tree()
@@ -251,18 +261,13 @@ class Capture:
         paths = self.signature.tensor_paths()
         for slot, i in enumerate(self.grad_inputs):
             if self.example_grads[slot] is None:
-                raise ValueError(
-                    f"{self.name}: the input {paths[i]} requires grad, but the outputs do not "
-                    "depend on it. Pass `allow_unused_input=True`, or an input that does not "
-                    "require grad."
-                )
+                raise _errors.unused_input(self.name, paths[i])
 
     def capture_forward(self) -> None:
-        call = self.call
         # Hold every tensor that the forward saves for its backward: once the capture is
         # done, the autograd graph is dropped (see capture_backward), and the memory that
         # the backward graph reads must stay allocated, never reused by a later capture.
-        saved = call.saved_tensors
+        saved: list[torch.Tensor] = []
 
         def keep(t: torch.Tensor) -> torch.Tensor:
             # The memory, without the autograd graph behind it: a saved output packed as
@@ -274,12 +279,9 @@ class Capture:
 
         try:
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-                call.forward_graph, static_out = self.backend.capture(
-                    self._run_forward, like=self.example
-                )
+                graph, static_out = self.backend.capture(self._run_forward, like=self.example)
         except Exception as err:
             raise _errors.capture_failure(self.name, "capture the forward graph", err) from err
-        call.replay_forward = replay_function(call.forward_graph)
         # On CUDA the recorded outputs carry the autograd graph; the emulation's are buffers.
         self._discover_params(static_out, self.signature.static_inputs)
         if self.requires_grad is None:  # no warm-up: the recorded outputs tell
@@ -288,37 +290,40 @@ class Capture:
                 for leaf in _tree.flatten(static_out)[0]
                 if isinstance(leaf, torch.Tensor)
             ]
-        requires = self.requires_grad
-        call.outputs = Outputs(self.name, static_out, self.backend.device, allow_grad=True)
-        call.static_outputs = call.outputs.static
-        call.differentiable = [i for i, r in enumerate(requires) if r]
-        call.non_differentiable = [i for i, r in enumerate(requires) if not r]
+        outputs = Outputs(self.name, static_out, self.backend.device, allow_grad=True)
+        differentiable = [i for i, r in enumerate(self.requires_grad) if r]
+        self._forward = ForwardGraph(graph, outputs, differentiable, saved)
 
-    def capture_backward(self) -> None:
-        call = self.call
+    def capture_backward(self) -> DifferentiableCall:
+        """Capture the backward of the captured forward; return the complete call."""
+        forward = self._forward
+        assert forward is not None and self._params is not None
+        static_outputs = forward.outputs.static
         with torch.no_grad():
-            call.static_grad_outputs = [
-                torch.empty_like(call.static_outputs[i]) for i in call.differentiable
-            ]
+            grad_outputs = [torch.empty_like(static_outputs[i]) for i in forward.differentiable]
         try:
-            call.backward_graph, grads = self.backend.capture(
-                lambda: self._run_backward(call.static_grad_outputs),
-                like=self.example_grads,
+            graph, grads = self.backend.capture(
+                lambda: self._run_backward(grad_outputs), like=self.example_grads
             )
         except Exception as err:
             raise _errors.capture_failure(self.name, "capture the backward graph", err) from err
-        call.replay_backward = replay_function(call.backward_graph)
         # Drop the recorded autograd graph: the graphs replay without it, and its gradient
         # accumulators, tied to the capture stream, would make autograd synchronise (and
         # warn) at every backward on the caller's stream.
         self._latest = None
-        call.static_outputs = call.outputs.static = [t.detach() for t in call.static_outputs]
+        forward.outputs.static = [t.detach() for t in static_outputs]
+        del static_outputs
         assert grads is not None
-        call.static_grad_inputs = tuple(grads)
-        slots = [-1] * call.n_inputs
+        slots = [-1] * len(self.signature.static_inputs)
         for slot, i in enumerate(self.grad_inputs):
             slots[i] = slot
-        call.grad_slots = slots + [len(self.grad_inputs) + k for k in range(len(call.params))]
+        slots += [len(self.grad_inputs) + k for k in range(len(self._params))]
+        backward = BackwardGraph(graph, grad_outputs, tuple(grads), slots)
+        self.call = DifferentiableCall(
+            self.name, self.signature, self.mutated, self._params, forward, backward
+        )
+        self._forward = None
+        return self.call
 
 
 def capture_differentiable(
@@ -334,5 +339,4 @@ def capture_differentiable(
     capture = Capture(name, fn, signature, backend, mutated, allow_unused_input=True)
     capture.warmup_backward(example, inputs)
     capture.capture_forward()
-    capture.capture_backward()
-    return capture.call
+    return capture.capture_backward()

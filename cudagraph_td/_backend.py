@@ -17,19 +17,12 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from . import _tree
+from . import _errors, _tree
+from ._compat import clear_cublas_workspaces, distributions_validate_args
 
 T = TypeVar("T")
 
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
-
-
-def _clear_cublas_workspaces() -> None:
-    """Free cuBLAS's per-stream workspaces (torch's own CUDA graph trees do the same)."""
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
-
 
 BACKENDS = ("auto", "cuda", "emulate")
 
@@ -41,9 +34,7 @@ def check_options(backend: str, capture_error_mode: str) -> None:
         ("capture_error_mode", capture_error_mode, CAPTURE_ERROR_MODES),
     ):
         if value not in valid:
-            raise ValueError(
-                f"`{option}` must be one of {', '.join(map(repr, valid))}, got {value!r}."
-            )
+            raise _errors.invalid_option(option, value, valid)
 
 
 def make_backend(
@@ -53,10 +44,11 @@ def make_backend(
     if name == "emulate":
         return EmulatedBackend(device)
     if device is None:
+        leaves, _ = _tree.flatten(inputs)
         device = next(
             (
                 leaf.device
-                for _, leaf in _tree.walk_leaves(inputs)
+                for leaf in leaves
                 if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda"
             ),
             None,
@@ -68,18 +60,6 @@ def make_backend(
 
 class Graph(Protocol):
     def replay(self) -> None: ...
-
-
-def replay_function(graph: Graph) -> Callable[[], None]:
-    """``graph.replay``, without the Python frame that torch's ``CUDAGraph.replay`` adds.
-
-    That frame checks an input-liveness tracker, which only ``capture_begin(
-    check_input_liveness=True)`` turns on and the library never does: the replay path,
-    which runs at every call, calls the C++ method directly.
-    """
-    if isinstance(graph, torch.cuda.CUDAGraph) and getattr(graph, "_tracker", None) is None:
-        return super(torch.cuda.CUDAGraph, graph).replay
-    return graph.replay
 
 
 class Backend(Protocol):
@@ -137,7 +117,7 @@ class CudaBackend:
         # torch.compile's CUDA graph trees do around each recording. Cleared here, the
         # capture makes its own, in the graph's private pool; cleared again after it, so that
         # no later work on this stream uses the graph's.
-        _clear_cublas_workspaces()
+        clear_cublas_workspaces()
         graph = torch.cuda.CUDAGraph()
         # A garbage collection during the capture can free tensors of other streams, whose
         # deallocation is illegal while a stream captures (pytorch#161037): hold it off.
@@ -145,7 +125,7 @@ class CudaBackend:
         gc.disable()
         # torch.distributions checks its arguments with a host sync, which no graph can
         # capture; the eager warm-up and capturing calls have checked them already.
-        validate_args = torch.distributions.Distribution._validate_args
+        validate_args = distributions_validate_args()
         torch.distributions.Distribution.set_default_validate_args(False)
         try:
             with torch.cuda.stream(self._capture_stream):
@@ -162,7 +142,7 @@ class CudaBackend:
                     warnings.filterwarnings("ignore", "The CUDA Graph is empty")
                     graph.capture_end()
         finally:
-            _clear_cublas_workspaces()
+            clear_cublas_workspaces()
             torch.distributions.Distribution.set_default_validate_args(validate_args)
             if gc_was_enabled:
                 gc.enable()
@@ -233,12 +213,7 @@ class _EmulatedGraph:
         leaves, spec = _tree.flatten(out)
         new = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         if spec != self._spec or [(t.shape, t.dtype) for t in new] != self._meta:
-            raise RuntimeError(
-                "The emulated replay returned another output structure than the capture: the "
-                "function's Python control flow depends on its inputs' values or on state "
-                "that changed. A CUDA graph would silently replay the captured branch: use "
-                "tensor operations (`torch.where`) instead of Python branches on data."
-            )
+            raise _errors.emulated_branch_changed()
         if new:
             with torch.no_grad():
                 torch._foreach_copy_(self._static, [t.detach() for t in new])

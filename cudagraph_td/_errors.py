@@ -1,8 +1,8 @@
 """The errors a user can meet, and the words that explain them.
 
 Every user error names the offending leaf by its path, shows what was captured and what was
-received, and says how to fix it. Messages are built here so that their wording stays
-consistent across the library.
+received, and says how to fix it. Every message is built here, so that the wording stays
+consistent across the library; ``docs/sharp-edges.md`` lists them by case.
 """
 
 from __future__ import annotations
@@ -12,6 +12,29 @@ from typing import Any
 import torch
 
 _RESET_HINT = "or call `reset()` to capture the graph again for the new inputs"
+
+
+class InputMismatchError(ValueError):
+    """A call's input differs from the captured one (shape, dtype, device, value, structure).
+
+    A :class:`ValueError`, as tensordict raises for such calls, that says where and how:
+
+    Attributes:
+        path: The input, as the user wrote it (``args[0]["next", "obs"]``, ``kwargs["x"]``),
+            or ``"(args, kwargs)"`` for the structure of the whole call.
+        captured: What the capture had there (a shape, a dtype, a device, a value; for a
+            structure, the paths that are missing now).
+        received: What the call passed (for a structure, the paths that are new).
+    """
+
+    def __init__(self, message: str, path: str, captured: Any, received: Any):
+        super().__init__(message)
+        self.path = path
+        self.captured = captured
+        self.received = received
+
+
+InputMismatchError.__module__ = "cudagraph_td"  # where users import it from
 
 
 class InputKeyError(KeyError):
@@ -30,44 +53,65 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def invalid_option(option: str, value: Any, valid: Any) -> ValueError:
+    """An option given a value outside ``valid`` (a tuple of values, or a description)."""
+    choices = f"one of {', '.join(map(repr, valid))}" if isinstance(valid, tuple) else valid
+    return ValueError(f"`{option}` must be {choices}, got {value!r}.")
+
+
 def shape_mismatch(
     name: str, path: str, captured: tuple[int, ...], received: tuple[int, ...]
-) -> ValueError:
-    return ValueError(
+) -> InputMismatchError:
+    return InputMismatchError(
         f"{name} was captured with {path} of shape {tuple(captured)}, but received shape "
         f"{tuple(received)}. A CUDA graph replays fixed shapes: pass an input of the captured "
-        f"shape, use one {name} per shape, {_RESET_HINT}."
+        f"shape, use one {name} per shape, {_RESET_HINT}.",
+        path,
+        captured,
+        received,
     )
 
 
-def batch_size_mismatch(name: str, path: str, captured: Any, received: Any) -> ValueError:
-    return ValueError(
+def batch_size_mismatch(name: str, path: str, captured: Any, received: Any) -> InputMismatchError:
+    return InputMismatchError(
         f"{name} was captured with {path} of batch size {list(captured)}, but received batch "
         f"size {list(received)}. A CUDA graph replays fixed shapes: pass a TensorDict of the "
-        f"captured batch size, use one {name} per batch size, {_RESET_HINT}."
+        f"captured batch size, use one {name} per batch size, {_RESET_HINT}.",
+        path,
+        captured,
+        received,
     )
 
 
-def dtype_mismatch(name: str, path: str, captured: Any, received: Any) -> ValueError:
-    return ValueError(
+def dtype_mismatch(name: str, path: str, captured: Any, received: Any) -> InputMismatchError:
+    return InputMismatchError(
         f"{name} was captured with {path} of dtype {captured}, but received dtype {received}. "
-        f"The replay does not cast inputs: convert it with `.to({captured})`, {_RESET_HINT}."
+        f"The replay does not cast inputs: convert it with `.to({captured})`, {_RESET_HINT}.",
+        path,
+        captured,
+        received,
     )
 
 
-def device_mismatch(name: str, path: str, captured: Any, received: Any) -> ValueError:
-    return ValueError(
+def device_mismatch(name: str, path: str, captured: Any, received: Any) -> InputMismatchError:
+    return InputMismatchError(
         f"{name} was captured with {path} on device {captured}, but received it on device "
         f"{received}. A graph reads its inputs from one device: move it with "
-        f"`.to('{captured}')` before the call."
+        f"`.to('{captured}')` before the call.",
+        path,
+        captured,
+        received,
     )
 
 
-def wrong_device_at_capture(name: str, path: str, device: Any, received: Any) -> ValueError:
-    return ValueError(
+def wrong_device_at_capture(name: str, path: str, device: Any, received: Any) -> InputMismatchError:
+    return InputMismatchError(
         f"{name} captures its graph on {device}, but {path} is on {received}. Every tensor "
         f"input of a graph must be on the graph's device: move it with `.to('{device}')`, or "
-        "read it from the enclosing scope if it is a constant of the function."
+        "read it from the enclosing scope if it is a constant of the function.",
+        path,
+        device,
+        received,
     )
 
 
@@ -97,19 +141,25 @@ def outputs_require_grad(name: str, path: str) -> RuntimeError:
     )
 
 
-def constant_mismatch(name: str, path: str, captured: Any, received: Any) -> ValueError:
-    return ValueError(
+def constant_mismatch(name: str, path: str, captured: Any, received: Any) -> InputMismatchError:
+    return InputMismatchError(
         f"{name} was captured with the non-tensor argument {path} = {_short(captured)}, but "
         f"received {_short(received)}. The graph replays the captured value: pass values "
-        f"that change between calls as tensors, use one {name} per value, {_RESET_HINT}."
+        f"that change between calls as tensors, use one {name} per value, {_RESET_HINT}.",
+        path,
+        captured,
+        received,
     )
 
 
-def leaf_kind_mismatch(name: str, path: str, captured: Any, received: Any) -> ValueError:
-    return ValueError(
+def leaf_kind_mismatch(name: str, path: str, captured: Any, received: Any) -> InputMismatchError:
+    return InputMismatchError(
         f"{name} was captured with {path} of type {type(captured).__name__}, but received "
         f"type {type(received).__name__}. Pass the same kind of argument as at capture, "
-        f"{_RESET_HINT}."
+        f"{_RESET_HINT}.",
+        path,
+        type(captured),
+        type(received),
     )
 
 
@@ -123,7 +173,7 @@ def uncomparable_constant(name: str, path: str, value: Any) -> TypeError:
 
 def structure_mismatch(
     name: str, missing: list[str], extra: list[str], other: list[str]
-) -> ValueError:
+) -> InputMismatchError:
     lines = [f"{name} was called with inputs of another structure than at capture:"]
     if missing:
         lines.append(f"  missing: {', '.join(missing)}")
@@ -133,7 +183,7 @@ def structure_mismatch(
     lines.append(
         f"A graph replays the captured call: pass the same arguments and keys, {_RESET_HINT}."
     )
-    return ValueError("\n".join(lines))
+    return InputMismatchError("\n".join(lines), "(args, kwargs)", missing, extra)
 
 
 def missing_keys(name: str, missing: list[str]) -> InputKeyError:
@@ -259,4 +309,81 @@ def hyperparameter_changed(
         f"{name} captured an optimizer step with {where}[{key!r}] = {_short(captured)}, which "
         f"is now {_short(now)}. A graph replays the value it captured: the change would be "
         f"silently ignored. {tensor_hint}{_RESET_HINT}."
+    )
+
+
+def not_a_tensordict(name: str, in_keys: list[Any], received: Any) -> TypeError:
+    return TypeError(
+        f"{name} wraps a TensorDict module: call it with a TensorDict, or with keyword "
+        f"tensors named by its in_keys {in_keys}; got {type(received).__name__}."
+    )
+
+
+def unused_input(name: str, path: str) -> ValueError:
+    return ValueError(
+        f"{name}: the input {path} requires grad, but the outputs do not depend on it. Pass "
+        "`allow_unused_input=True`, or an input that does not require grad."
+    )
+
+
+def double_backward(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"{name}: a double backward (`create_graph=True`, `torch.autograd.grad` of a gradient) "
+        "through a graphed callable is not supported: its backward is a captured graph, which "
+        "autograd cannot differentiate. Compute such gradients eagerly."
+    )
+
+
+def stale_backward(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"{name}: backward of an earlier call, after a later call of the same graphed "
+        "callable: the graph keeps the activations of the last call only, so this gradient "
+        "would be wrong. Run each call's backward before the next call (graphs that share a "
+        "pool: forwards in capture order, backwards in reverse)."
+    )
+
+
+def emulated_branch_changed() -> RuntimeError:
+    return RuntimeError(
+        "The emulated replay returned another output structure than the capture: the "
+        "function's Python control flow depends on its inputs' values or on state that "
+        "changed. A CUDA graph would silently replay the captured branch: use tensor "
+        "operations (`torch.where`) instead of Python branches on data."
+    )
+
+
+def no_cuda(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"{name}(backend='cuda') needs CUDA, which is not available here. Use backend='auto' "
+        "to fall back to eager calls, or 'emulate' to test on the CPU."
+    )
+
+
+def no_state_dict(name: str, module: Any) -> TypeError:
+    return TypeError(
+        f"{name} wraps {module!r}, which has no `load_state_dict`: the state cannot be loaded."
+    )
+
+
+def cannot_verify_training_step(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"{name}(verify=...) cannot check this graph: it is a training step (it updates "
+        "parameters or their gradients), which an eager run on the same inputs would apply a "
+        "second time. Verify the function without its optimizer step, or leave `verify` at 0."
+    )
+
+
+def verification_failed(name: str, replay: int, path: str, detail: str) -> str:
+    """The message of a ``VerificationError`` (the class lives with ``verify=``)."""
+    where = f"returned {path}" if path.startswith("output") else f"updated {path} in place"
+    return (
+        f"{name} replay {replay} (verify=) {where} unlike an eager run of the function on "
+        f"the same inputs: {detail} A graph replays the kernels recorded at capture, with the "
+        "values the Python code read then. Likely causes: control flow that depends on a value "
+        "(an `if` on a tensor or on a Python number that changes between calls), which the "
+        "graph fixed to the branch it took at capture; a Python value read at capture (a "
+        "global, an attribute, a number computed in Python) that changed since, which the "
+        "graph keeps as a constant: pass it as a tensor input; or random numbers, which the "
+        "replay and the eager run draw differently (a function that draws them cannot be "
+        "verified). Call `reset()` to capture the graph again."
     )

@@ -7,8 +7,10 @@ from typing import Any, Literal
 
 import torch
 
+from . import _replay
 from ._autograd import Capture, DifferentiableCall
 from ._backend import check_options, make_backend
+from ._replay import MISS
 from ._signature import Signature
 
 
@@ -123,11 +125,8 @@ def make_graphed_callables(
     # One pool for all: forwards in order, backwards in reverse, as they will replay.
     for capture in captures:
         capture.capture_forward()
-    for capture in reversed(captures):
-        capture.capture_backward()
-    graphed = tuple(
-        _graphed(fn, capture.call) for fn, capture in zip(callables, captures, strict=True)
-    )
+    calls = [capture.capture_backward() for capture in reversed(captures)][::-1]
+    graphed = tuple(_graphed(fn, call) for fn, call in zip(callables, calls, strict=True))
     return graphed[0] if single else graphed
 
 
@@ -187,8 +186,11 @@ def _check_module(module: torch.nn.Module) -> None:
 
 
 def _graphed(fn: Any, call: DifferentiableCall) -> Any:
+    replay = _replay.replay_function(call, _replay.default_routes(call))
+
     def graphed(*args: Any, **kwargs: Any) -> Any:
-        return call(args, kwargs)
+        out = replay(args, kwargs)
+        return _replay.call(call, args, kwargs) if out is MISS else out
 
     if not isinstance(fn, torch.nn.Module):
         return graphed

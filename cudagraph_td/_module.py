@@ -4,24 +4,28 @@ from __future__ import annotations
 
 import functools
 import warnings
-import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Literal
 
 import torch
-from tensordict.nn import probabilistic
 
-from . import _graph, _tdmodule, _verify
+from . import _errors, _graph, _replay, _tdmodule, _verify
 from ._backend import Backend, check_options, make_backend
-from ._tdmodule import NOT_HANDLED
+from ._compat import interaction_type
+from ._replay import MISS
 
 BackendName = Literal["auto", "cuda", "emulate"]
 
-# Read at every call, so bound once. tensordict's `interaction_type()` returns its mode
-# holder's `get_mode()`: calling that directly saves a Python call where it exists.
-_is_grad_enabled = torch.is_grad_enabled
-_holder = getattr(probabilistic, "_interaction_type", None)
-interaction_type = getattr(_holder, "get_mode", probabilistic.interaction_type)
+# What changes what the function computes, and so needs a graph of its own: tensordict's
+# interaction type (a stochastic policy captured while sampling must not replay its samples
+# when called for its mode), grad mode (a graph captured for autograd under grad mode, a
+# plain one under no_grad) and a module's training mode (dropout).
+Mode = tuple[Any, bool, Any]
+# A graph's key: its mode, and the call key that tells graphs of one mode apart (always
+# None: one graph per mode).
+GraphKey = tuple[Mode, Hashable]
+
+_is_grad_enabled = torch.is_grad_enabled  # read at every call, so bound once
 
 
 class CudaGraphModule:
@@ -100,7 +104,12 @@ class CudaGraphModule:
         >>> graphed(x, scale=3.0)
         Traceback (most recent call last):
         ...
-        ValueError: CudaGraphModule was captured with the non-tensor argument kwargs["scale"] = 2.0, but received 3.0. ...
+        cudagraph_td.InputMismatchError: CudaGraphModule was captured with the non-tensor argument kwargs["scale"] = 2.0, but received 3.0. ...
+        >>> try:
+        ...     graphed(x, scale=3.0)
+        ... except ValueError as err:  # an InputMismatchError is a ValueError
+        ...     print(err.path, err.captured, err.received)
+        kwargs["scale"] 2.0 3.0
 
         On a GPU, the same code with ``backend="auto"`` and CUDA tensors replays a CUDA graph:
 
@@ -122,18 +131,15 @@ class CudaGraphModule:
         verify: int = 0,
     ):
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
-            raise ValueError(f"`warmup` must be an integer greater than 0, got {warmup!r}.")
+            raise _errors.invalid_option("warmup", warmup, "an integer greater than 0")
         if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
-            raise ValueError(f"`verify` must be an integer of 0 or more, got {verify!r}.")
+            raise _errors.invalid_option("verify", verify, "an integer of 0 or more")
         check_options(backend, capture_error_mode)
+        name = type(self).__name__
         if backend == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(
-                "CudaGraphModule(backend='cuda') needs CUDA, which is not available here. Use "
-                "backend='auto' to fall back to eager calls, or 'emulate' to test on the CPU."
-            )
+            raise _errors.no_cuda(name)
         self.module = module
         self._warmup = warmup
-        name = type(self).__name__
         self.in_keys, self.out_keys = _tdmodule.resolve_keys(name, module, in_keys, out_keys)
         self.device = None if device is None else torch.device(device)
         self._pool = pool
@@ -150,80 +156,78 @@ class CudaGraphModule:
             )
         self._fn = module
         self._verifier = _verify.Verifier(name, module, verify) if verify else None
-        self._td_call: _tdmodule.TensorDictCall | None = None
+        self._layer: _tdmodule.TensorDictLayer | None = None
         if self.in_keys is not None:
             self._fn = _tdmodule.recording_writes(module)
-            owner = weakref.ref(self)  # no cycle through the TensorDict layer
-
-            def current_runner() -> _graph.GraphRunner:
-                wrapper = owner()
-                assert wrapper is not None
-                return wrapper._runner
-
-            self._td_call = _tdmodule.TensorDictCall(
-                name, self.in_keys, self.out_keys, current_runner
-            )
-        # One graph per mode that changes what the function computes: the tensordict
-        # interaction type (a stochastic policy captured while sampling must not replay its
-        # samples when called for its mode), grad mode (a graph captured for autograd under
-        # grad mode, a plain one under no_grad) and a module's training mode (dropout).
-        self._runners: dict[tuple[Any, bool, Any], _graph.GraphRunner] = {}
+            self._layer = _tdmodule.TensorDictLayer(name, self.in_keys, self.out_keys)
         self._has_training = hasattr(module, "training")
-        self._key = self._mode()
-        self._follow(self._new_runner())
+        self._graphs: dict[GraphKey, _graph.GraphRunner] = {}
+        self._select()
 
-    def _mode(self) -> tuple[Any, bool, Any]:
+    def _mode(self) -> Mode:
         return (interaction_type(), torch.is_grad_enabled(), getattr(self.module, "training", None))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # The replay path: the mode compared by identity with the current graph's (see
-        # `_mode`; its parts are kept apart so that no tuple is built), then that graph's
-        # replay function, which answers NOT_HANDLED for a call it leaves to `_call`.
+        # The replay path. The mode is compared with the last call's, part by part and by
+        # identity (no tuple built); while it holds, the last call's graph replays, through
+        # its replay function (see `_replay`), which answers MISS for a call it leaves to
+        # `_call`.
         if (
             interaction_type() is self._interaction
             and _is_grad_enabled() is self._grad
             and (not self._has_training or self.module.training is self._training)  # type: ignore[attr-defined]
         ):
             out = self._replay(args, kwargs)
-            if out is not NOT_HANDLED:
+            if out is not MISS:
                 return out
-        elif self._mode() != self._key:
-            self._switch_runner()
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A call that warms up or captures the graph, or that the replay path left over."""
-        runner = self._runner
+        """The slow path: a warm-up, a capture, a replay checked in full, or a verified one."""
+        runner = self._select()
         verifier = self._verifier
         if verifier is not None and (runner.captured is None or not verifier.left):
             verifier = None  # only replays are verified, and only the first ones
         copies = None if verifier is None else verifier.copy_inputs(args, kwargs)
-        if self._td_call is not None:
-            out = self._td_call.call(*args, **kwargs)
-            if runner.captured is not None and runner.replay is None:
-                runner.replay = self._td_call.replay_path(runner.captured)
+        if self._layer is not None:
+            out = self._layer.call(runner, args, kwargs)
         else:
             out = runner.run(args, kwargs)
-            if runner.replay is None and runner.captured is not None:
-                # The captured call's own hot path, without the call through its __call__.
-                runner.replay = getattr(runner.captured, "replay", runner.captured)
-        self._follow(runner)
         if verifier is not None:
-            assert runner.backend is not None
-            training_step = getattr(runner.captured, "watch", None) is not None
+            assert runner.backend is not None and runner.captured is not None
             verifier.check(
-                copies, args, kwargs, out, device=runner.backend.device, training_step=training_step
+                copies,
+                args,
+                kwargs,
+                out,
+                device=runner.backend.device,
+                training_step=runner.captured.training_step,
             )
-            self._follow(runner)  # the replay path, once the last verified replay is done
+        self._select()  # the replay path, once captured (or once the last replay is verified)
         return out
 
-    def _follow(self, runner: _graph.GraphRunner) -> None:
-        """Make ``runner`` (of mode ``self._key``) the one that the replay path calls."""
-        self._runner = runner
-        self._interaction, self._grad, self._training = self._key
-        self._replay = _tdmodule.not_handled if runner.replay is None else runner.replay
+    def _select(self) -> _graph.GraphRunner:
+        """Choose the graph of the current call by its key (the one place that does), and make
+        its replay function the one that ``__call__`` tries."""
+        mode = self._mode()
+        key: GraphKey = (mode, None)
+        runner = self._graphs.get(key)
+        if runner is None:
+            runner = self._graphs[key] = self._new_runner()
+        if runner.captured is not None and runner.replay is None:
+            runner.replay = self._replay_function(runner.captured)
+        self._interaction, self._grad, self._training = mode
+        self._replay = runner.replay or _not_captured
         if self._verifier is not None and self._verifier.left:
-            self._replay = _tdmodule.not_handled  # replays to verify take `_call`
+            self._replay = _not_captured  # replays to verify take `_call`
+        return runner
+
+    def _replay_function(self, captured: _replay.Captured) -> _replay.ReplayFunction:
+        """The replay path of a captured graph: its routes, from the TensorDict layer's
+        readers and writers for a TensorDict module, else the fastest for the call."""
+        if self._layer is not None:
+            return _replay.replay_function(captured, self._layer.routes(captured))
+        return _replay.replay_function(captured, _replay.default_routes(captured))
 
     def _new_runner(self) -> _graph.GraphRunner:
         make_backend = None
@@ -235,17 +239,10 @@ class CudaGraphModule:
                 self._pool,
                 self._capture_error_mode,
             )
-        runner = _graph.GraphRunner(type(self).__name__, self._fn, self._warmup, make_backend)
-        self._runners[self._key] = runner
-        return runner
-
-    def _switch_runner(self) -> None:
-        self._key = self._mode()
-        runner = self._runners.get(self._key)
-        self._follow(runner if runner is not None else self._new_runner())
+        return _graph.GraphRunner(type(self).__name__, self._fn, self._warmup, make_backend)
 
     def _current_runner(self) -> _graph.GraphRunner | None:
-        return self._runners.get(self._mode())
+        return self._graphs.get((self._mode(), None))
 
     @property
     def counter(self) -> int:
@@ -255,8 +252,8 @@ class CudaGraphModule:
 
     def reset(self) -> None:
         """Drop the captured graphs and their buffers; the next call starts the warm-up again."""
-        self._runners.clear()
-        self._follow(self._new_runner())
+        self._graphs.clear()
+        self._select()
 
     @property
     def is_captured(self) -> bool:
@@ -278,10 +275,7 @@ class CudaGraphModule:
         load = getattr(self.module, "load_state_dict", None)
         if load is None:
             if state_dict:
-                raise TypeError(
-                    f"{type(self).__name__} wraps {self.module!r}, which has no "
-                    "`load_state_dict`: the state cannot be loaded."
-                )
+                raise _errors.no_state_dict(type(self).__name__, self.module)
             return None
         return load(state_dict, *args, **kwargs)
 
@@ -295,7 +289,7 @@ class CudaGraphModule:
             state = "eager (no CUDA)"
         else:  # one entry per mode the wrapper was called in, with its graph's stage
             state = "; ".join(
-                f"{_mode_name(key)}: {self._stage(runner)}" for key, runner in self._runners.items()
+                f"{_mode_name(key)}: {self._stage(runner)}" for key, runner in self._graphs.items()
             )
         fields = {
             "module": repr(self.module).replace("\n", "\n    "),
@@ -309,8 +303,13 @@ class CudaGraphModule:
         return f"{type(self).__name__}(\n{body}\n)"
 
 
-def _mode_name(key: tuple[Any, bool, Any]) -> str:
-    interaction, grad, training = key
+def _not_captured(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The replay function of a graph not yet captured: every call takes the slow path."""
+    return MISS
+
+
+def _mode_name(key: GraphKey) -> str:
+    (interaction, grad, training), _ = key
     parts = ["grad" if grad else "no_grad"]
     if training is not None:
         parts.append("train" if training else "eval")

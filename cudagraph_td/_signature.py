@@ -1,41 +1,30 @@
 """The signature of a captured call: what its inputs must look like at every replay.
 
 :class:`Signature` is built once, at capture. It validates the capture's inputs, clones
-their tensors into the graph's static buffers, and keeps what the replay compares: the
-treespec, the indices of the tensor leaves and each one's ``(shape, dtype, device,
-requires_grad)``, and the non-tensor constants. The replay compares these in a few list
-operations; only when they differ does :meth:`Signature.diagnose` walk the trees to find
-the offending leaf and build the error that names it.
+their tensors into the graph's static buffers, and keeps what a replay compares: the
+treespec, the indices of the tensor leaves and each one's :data:`metadata`, and the
+non-tensor constants. :meth:`Signature.read` is the general reader of the replay path (see
+`_replay`); :meth:`Signature.match` is the slow path's full check, whose
+:meth:`Signature.diagnose` walks the trees to find the offending leaf and build the error
+that names it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
 from typing import Any, cast
 
 import optree
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 
 from . import _errors, _tree
 
-# (shape, dtype, device, requires_grad): what the replay checks of a tensor leaf.
-TensorMeta = tuple[torch.Size, torch.dtype, torch.device, bool]
-
-
-def tensor_meta(t: torch.Tensor) -> TensorMeta:
-    return (t.shape, t.dtype, t.device, t.requires_grad)
-
-
-def quick_meta(t: torch.Tensor) -> tuple[type, torch.Size, torch.dtype, torch.device, bool]:
-    """What the replay's fast paths compare of a tensor they read without flattening.
-
-    :func:`tensor_meta` and the type, which tells a tensor from a TensorDict or a
-    subclass. (``get_device()`` reads a little faster than ``device`` but gives ``-1`` for
-    every device that is not CUDA, so that a meta tensor would pass for a CPU one.) The
-    replay paths inline this expression: keep them the same.
-    """
-    return (type(t), t.shape, t.dtype, t.device, t.requires_grad)
+metadata = operator.attrgetter("__class__", "shape", "dtype", "device", "requires_grad")
+"""What a replay checks of each input tensor, as one tuple: type, shape, dtype, device and
+``requires_grad``. The type tells a tensor from a TensorDict or a subclass; ``device``, not
+``get_device()``, which is ``-1`` for every device that is not CUDA (a meta tensor would
+pass for a CPU one). One C call: faster than the same tuple written out in Python."""
 
 
 def _comparable(value: Any) -> bool:
@@ -57,15 +46,14 @@ def validate(
 
     ``allow_grad`` accepts inputs that require grad, for a graph captured for autograd.
     """
-    for path, leaf in _tree.walk_leaves((args, kwargs)):
+    for path, leaf in _tree.leaves_with_paths((args, kwargs)):
         if isinstance(leaf, torch.Tensor):
             if leaf.device != device:
-                where = _tree.format_path(path)
-                raise _errors.wrong_device_at_capture(name, where, device, leaf.device)
+                raise _errors.wrong_device_at_capture(name, path, device, leaf.device)
             if leaf.requires_grad and not allow_grad:
-                raise _errors.requires_grad(name, _tree.format_path(path))
+                raise _errors.requires_grad(name, path)
         elif not _comparable(leaf):
-            raise _errors.uncomparable_constant(name, _tree.format_path(path), leaf)
+            raise _errors.uncomparable_constant(name, path, leaf)
 
 
 class Signature:
@@ -87,87 +75,66 @@ class Signature:
         self.const_index = [
             i for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)
         ]
-        self.expected = [tensor_meta(leaves[i]) for i in self.tensor_index]
+        self.expected = [metadata(leaves[i]) for i in self.tensor_index]
         self.consts = [leaves[i] for i in self.const_index]
         self.const_types = [type(c) for c in self.consts]
         self.all_tensors = not self.const_index
-        self.input_tensors = [leaves[i] for i in self.tensor_index]
         # The graph's own copies of the tensor inputs: replays copy new inputs into them.
         # They are leaves that require grad where the inputs do (a graph captured for
         # autograd differentiates with respect to them), and never inference tensors, so
-        # that a graph captured under inference_mode can be fed outside it.
+        # that a graph captured under inference_mode can be fed outside it. No reference to
+        # the caller's tensors is kept.
         with torch.no_grad(), torch.inference_mode(False):
             self.static_inputs = [
-                t.detach().clone().requires_grad_(t.requires_grad) for t in self.input_tensors
+                leaves[i].detach().clone().requires_grad_(leaves[i].requires_grad)
+                for i in self.tensor_index
             ]
-        del self.input_tensors  # the capture's inputs are the caller's: keep no reference
         self._static_leaves = list(leaves)
         for i, static in zip(self.tensor_index, self.static_inputs, strict=True):
             self._static_leaves[i] = static
-        # The captured inputs as the user passed them, kept for error messages; the function
-        # gets trees of its own (see static_tree), which it may change (write TensorDict keys).
+        # The captured inputs as the user passed them, kept for error messages and to choose
+        # a reader; the function gets trees of its own (see static_tree), which it may change
+        # (write TensorDict keys).
         self.static_args, self.static_kwargs = self.static_tree()
-        # A call of positional tensors only, the commonest, is checked without flattening:
-        # the arguments are the tensor leaves. The type is compared too, so that a
-        # TensorDict passed where the capture had a tensor goes to the full check.
-        positional = bool(args) and not kwargs and all(isinstance(a, torch.Tensor) for a in args)
-        self.positional_types = [quick_meta(t) for t in args] if positional else None
-        # A call of one TensorDict of tensors (a batch), the other common call, is read by key.
-        self.tensordict_arg = TensorDictArg.of(args, kwargs)
-        # What `quick_read` compares, for either call.
-        self.quick_expected = (
-            self.tensordict_arg.expected
-            if self.tensordict_arg is not None
-            else self.positional_types
-        )
 
     def static_tree(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """New containers (tuples, dicts, TensorDicts) around the graph's static input tensors."""
         return _tree.unflatten(self.spec, self._static_leaves)  # type: ignore[no-any-return]
 
-    def quick_read(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The tensor leaves of one of the commonest calls, read without flattening, or None.
+    def read(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
+        """The tensor leaves of a call of the captured structure and constants, else None.
 
-        Positional tensors, or one TensorDict of tensors, of the captured metadata (see
-        :func:`quick_meta`); any other call, or any difference, returns None for
-        :meth:`match` to check (and explain).
+        The general reader of the replay path: it flattens the call. The tensors' metadata
+        is left to the replay's check.
         """
-        expected = self.quick_expected
-        if kwargs or expected is None:
+        leaves, spec = optree.tree_flatten(cast(Any, (args, kwargs)), namespace=_tree.NAMESPACE)
+        if spec != self.spec:
             return None
-        tensors: Sequence[Any] | None
-        if self.tensordict_arg is not None:
-            tensors = self.tensordict_arg.read(args[0]) if len(args) == 1 else None
-            if tensors is None:
-                return None
-        elif len(args) == len(expected):
-            tensors = args
-        else:
+        if self.all_tensors:
+            return leaves
+        if not self.consts_match(leaves):
             return None
-        try:
-            metas = [(type(t), t.shape, t.dtype, t.device, t.requires_grad) for t in tensors]
-        except AttributeError:  # a non-tensor where the capture had a tensor
-            return None
-        return tensors if metas == expected else None
+        return [leaves[i] for i in self.tensor_index]
 
-    def match(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-        """The tensor leaves of a call, checked against the capture (the replay's check).
+    def match(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """The tensor leaves of a call, checked in full against the capture (the slow path).
 
         Raises:
             ValueError, KeyError, RuntimeError: The call differs from the capture; the error
                 names the leaf (see :meth:`diagnose`).
         """
-        tree: Any = (args, kwargs)
-        leaves, spec = optree.tree_flatten(tree, namespace=_tree.NAMESPACE)
-        if spec != self.spec:
-            raise self.diagnose(args, kwargs)
-        tensors = leaves if self.all_tensors else [leaves[i] for i in self.tensor_index]
+        tensors = self.read(args, kwargs)
         try:
-            same = [(t.shape, t.dtype, t.device, t.requires_grad) for t in tensors] == self.expected
-        except AttributeError:  # a non-tensor where the capture had a tensor
-            same = False
-        if not same or not (self.all_tensors or self.consts_match(leaves)):
-            raise self.diagnose(args, kwargs)
+            if tensors is not None and list(map(metadata, tensors)) == self.expected:
+                return tensors
+        except Exception:  # a leaf that is not a tensor, where the capture had one
+            pass
+        error = self.diagnose(args, kwargs)
+        if error is not None:
+            raise error
+        # Only tensor types differ, and only by a subclass (a Parameter for a tensor): the
+        # graph reads their data as well.
+        assert tensors is not None
         return tensors
 
     def tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -178,8 +145,8 @@ class Signature:
     def tensor_paths(self) -> list[str]:
         """Readable paths of the tensor inputs, in the order of ``static_inputs`` (for errors)."""
         return [
-            _tree.format_path(path)
-            for path, leaf in _tree.walk_leaves((self.static_args, self.static_kwargs))
+            path
+            for path, leaf in _tree.leaves_with_paths((self.static_args, self.static_kwargs))
             if isinstance(leaf, torch.Tensor)
         ]
 
@@ -191,8 +158,11 @@ class Signature:
         except Exception:
             return False
 
-    def diagnose(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Exception:
-        """The error that explains how a call's inputs differ from the captured ones."""
+    def diagnose(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Exception | None:
+        """The error that explains how a call's inputs differ from the captured ones.
+
+        None when they differ only by the subclass of a tensor, which is not an error.
+        """
         captured = (self.static_args, self.static_kwargs)
         missing: list[str] = []
         extra: list[str] = []
@@ -205,16 +175,18 @@ class Signature:
             return _errors.missing_keys(self.name, missing_td_keys)
         if missing or extra or other:
             return _errors.structure_mismatch(self.name, missing, extra, other)
-        # Nothing differs leaf by leaf: the structure must differ in a way the walk does not
-        # name (e.g. a node's metadata that is neither a key nor a batch size).
+        # Nothing differs leaf by leaf: the structure differs in a way the walk does not name
+        # (e.g. a node's metadata that is neither a key nor a batch size), or nothing does.
         received = optree.tree_structure(cast(Any, (args, kwargs)), namespace=_tree.NAMESPACE)
+        if received == self.spec:
+            return None
         return _errors.structure_mismatch(
             self.name, [], [], [f"captured: {self.spec}", f"received: {received}"]
         )
 
     def _compare(
         self,
-        path: _tree.Path,
+        path: tuple[optree.PyTreeEntry, ...],
         old: Any,
         new: Any,
         missing: list[str],
@@ -231,24 +203,25 @@ class Signature:
         if isinstance(old, TensorDictBase) and old.batch_size != new.batch_size:
             return _errors.batch_size_mismatch(self.name, where, old.batch_size, new.batch_size)
         old_node, new_node = _tree.one_level(old), _tree.one_level(new)
-        old_children = dict(zip(old_node.entries, old_node.children, strict=True))
-        new_children = dict(zip(new_node.entries, new_node.children, strict=True))
-
-        def child_path(entry: Any) -> _tree.Path:
-            return (*path, (old_node.entry_type, entry))
-
-        for entry in old_children.keys() - new_children.keys():
-            missing.append(_tree.format_path(child_path(entry)))
+        # Children by entry (a key, an index), with the path entry that names them.
+        old_children = {
+            e.entry: (e, c) for e, c in zip(old_node.entries, old_node.children, strict=True)
+        }
+        new_children = {
+            e.entry: (e, c) for e, c in zip(new_node.entries, new_node.children, strict=True)
+        }
+        for key in old_children.keys() - new_children.keys():
+            missing.append(_tree.format_path((*path, old_children[key][0])))
             if isinstance(old, TensorDictBase):
                 missing_td_keys.append(missing[-1])
-        for entry in new_children.keys() - old_children.keys():
-            extra.append(_tree.format_path(child_path(entry)))
-        for entry in old_node.entries:
-            if entry in new_children:
+        for key in new_children.keys() - old_children.keys():
+            extra.append(_tree.format_path((*path, new_children[key][0])))
+        for key, (entry, old_child) in old_children.items():
+            if key in new_children:
                 error = self._compare(
-                    child_path(entry),
-                    old_children[entry],
-                    new_children[entry],
+                    (*path, entry),
+                    old_child,
+                    new_children[key][1],
                     missing,
                     extra,
                     other,
@@ -281,40 +254,3 @@ class Signature:
         if old.requires_grad and not new.requires_grad:
             return _errors.no_longer_requires_grad(self.name, where)
         return None
-
-
-class TensorDictArg:
-    """The layout of a call of one plain TensorDict of tensors, read without flattening.
-
-    :meth:`read` returns the entries of a TensorDict of the captured layout (type, batch
-    size, device, keys, no names) in the order of the graph's static inputs; ``expected``
-    is the quick metadata (see :func:`quick_meta`) that :meth:`Signature.quick_read` then
-    compares. Anything else takes the full check.
-    """
-
-    def __init__(self, td: TensorDict):
-        self.keys = tuple(sorted(td.keys()))  # the flattening order (see `_tree`)
-        self.batch_size = td.batch_size
-        self.device = td.device
-        self.expected = [quick_meta(td._get_str(key, None)) for key in self.keys]
-
-    @classmethod
-    def of(cls, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TensorDictArg | None:
-        if kwargs or len(args) != 1 or type(args[0]) is not TensorDict:
-            return None
-        td = args[0]
-        if td._has_names() or not all(isinstance(v, torch.Tensor) for v in td.values()):
-            return None
-        return cls(td)
-
-    def read(self, td: Any) -> list[torch.Tensor] | None:
-        """The entries of ``td`` in the static inputs' order, if it has the captured layout."""
-        if type(td) is not TensorDict or td.batch_size != self.batch_size:
-            return None
-        entries = td._tensordict
-        if len(entries) != len(self.keys) or td.device != self.device or td._has_names():
-            return None
-        try:
-            return [entries[key] for key in self.keys]
-        except KeyError:
-            return None

@@ -11,7 +11,7 @@ collections are registered lazily, the first time :func:`flatten` meets their ty
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -19,6 +19,8 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 from tensordict.base import is_tensor_collection
 from tensordict.tensorclass import NonTensorData
+
+from . import _compat
 
 NAMESPACE = "cudagraph_td"
 """The optree namespace in which the library registers tensor collections."""
@@ -42,19 +44,15 @@ def _flatten_tensordict(td: TensorDictBase) -> tuple[list[Any], _TensorDictMeta,
     # Sorted, as optree sorts a dict's keys: the order in which entries were set is not part
     # of a TensorDict's structure, and two calls that differ only by it are the same call.
     keys = tuple(sorted(td.keys()))
-    names = tuple(td.names) if td._has_names() else None
-    # ``_get_str`` returns NonTensorData entries wrapped, so that they stay nodes of the tree.
-    children = [td._get_str(key, None) for key in keys]
+    names = tuple(td.names) if _compat.td_has_names(td) else None
+    # NonTensorData entries come wrapped, so that they stay nodes of the tree.
+    children = [_compat.td_get(td, key) for key in keys]
     return children, _TensorDictMeta(keys, td.batch_size, td.device, names), keys
 
 
 def _unflatten_tensordict(cls: type, meta: _TensorDictMeta, children: Any) -> TensorDictBase:
-    return cls._new_unsafe(  # type: ignore[attr-defined, no-any-return]
-        source=dict(zip(meta.keys, children, strict=True)),
-        batch_size=meta.batch_size,
-        device=meta.device,
-        names=meta.names,
-    )
+    entries = dict(zip(meta.keys, children, strict=True))
+    return _compat.td_new(cls, entries, meta.batch_size, meta.device, meta.names)  # type: ignore[no-any-return]
 
 
 def _flatten_lazy_stack(td: LazyStackedTensorDict) -> tuple[list[Any], tuple[int, type], None]:
@@ -74,11 +72,11 @@ class _TensorClassMeta(NamedTuple):
 
 
 def _flatten_tensorclass(tc: Any) -> tuple[list[Any], _TensorClassMeta, tuple[str, ...]]:
-    td = tc._tensordict
+    td, others = _compat.tensorclass_parts(tc)
     tensor_keys = tuple(sorted(td.keys()))
-    other_keys = tuple(tc._non_tensordict)
-    children = [td._get_str(key, None) for key in tensor_keys]
-    children += [tc._non_tensordict[key] for key in other_keys]
+    other_keys = tuple(others)
+    children = [_compat.td_get(td, key) for key in tensor_keys]
+    children += [others[key] for key in other_keys]
     meta = _TensorClassMeta(tensor_keys, other_keys, td.batch_size, td.device)
     return children, meta, tensor_keys + other_keys
 
@@ -86,13 +84,10 @@ def _flatten_tensorclass(tc: Any) -> tuple[list[Any], _TensorClassMeta, tuple[st
 def _unflatten_tensorclass(cls: type, meta: _TensorClassMeta, children: Any) -> Any:
     children = list(children)
     n = len(meta.tensor_keys)
-    source = TensorDict._new_unsafe(
-        source=dict(zip(meta.tensor_keys, children[:n], strict=True)),
-        batch_size=meta.batch_size,
-        device=meta.device,
-    )
+    entries = dict(zip(meta.tensor_keys, children[:n], strict=True))
+    source = _compat.td_new(TensorDict, entries, meta.batch_size, meta.device, None)
     others = dict(zip(meta.other_keys, children[n:], strict=True))
-    return cls._from_tensordict(source, non_tensordict=others)  # type: ignore[attr-defined]
+    return _compat.tensorclass_new(cls, source, others)
 
 
 class _NonTensorMeta(NamedTuple):
@@ -182,6 +177,29 @@ def unflatten(spec: optree.PyTreeSpec, leaves: Any) -> Any:
     return optree.tree_unflatten(spec, leaves)
 
 
+def leaves_with_paths(tree: Any, root: str | None = None) -> list[tuple[str, Any]]:
+    """``(path, leaf)`` for every leaf of ``tree``, in the order of :func:`flatten`.
+
+    The paths read as in :func:`format_path`; ``root`` names the tree (``None``: a call's
+    ``(args, kwargs)``).
+    """
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(tree, namespace=NAMESPACE)
+    if _register_new_collections(leaves):
+        accessors, leaves, _ = optree.tree_flatten_with_accessor(tree, namespace=NAMESPACE)
+    return [(format_path(a, root), leaf) for a, leaf in zip(accessors, leaves, strict=True)]
+
+
+def leaf_paths(tree: Any, root: str | None = None) -> list[str]:
+    """Readable paths of the leaves of ``tree``, in the order of :func:`flatten`."""
+    return [path for path, _ in leaves_with_paths(tree, root)]
+
+
+def leaf_keys(tree: Any) -> list[tuple[Any, ...]]:
+    """The entries (keys, indices) that lead to each leaf of ``tree``, as tuples."""
+    accessors, _, _ = optree.tree_flatten_with_accessor(tree, namespace=NAMESPACE)
+    return [tuple(entry.entry for entry in accessor) for accessor in accessors]
+
+
 def is_leaf(tree: Any) -> bool:
     """Whether ``tree`` is a leaf in the library's namespace."""
     if is_tensor_collection(tree):
@@ -190,69 +208,55 @@ def is_leaf(tree: Any) -> bool:
 
 
 class Node(NamedTuple):
-    """One level of a tree: its children, the entries naming them, and the node's metadata."""
+    """One level of a tree: its children, the path entries naming them, the node's metadata."""
 
     children: list[Any]
-    entries: tuple[Any, ...]
+    entries: list[optree.PyTreeEntry]
     metadata: Any
-    entry_type: type
 
 
 def one_level(tree: Any) -> Node:
-    """Split a node of the tree into its direct children."""
-    children, metadata, entries, _ = optree.tree_flatten_one_level(tree, namespace=NAMESPACE)
-    if optree.is_namedtuple_instance(tree):
-        entry_type: type = optree.GetAttrEntry
-        entries = optree.namedtuple_fields(tree)
-    elif isinstance(tree, (tuple, list)):
-        entry_type = optree.SequenceEntry
-    elif isinstance(tree, dict):
-        entry_type = optree.MappingEntry
-    elif isinstance(tree, TensorDictBase) and not isinstance(tree, LazyStackedTensorDict):
-        entry_type = TensorDictKeyEntry
-    elif isinstance(tree, LazyStackedTensorDict):
-        entry_type = optree.SequenceEntry
-    elif isinstance(tree, NonTensorData):
-        entry_type = NonTensorEntry
-    else:
-        entry_type = optree.GetAttrEntry
-    return Node(list(children), tuple(entries), metadata, entry_type)
+    """Split a node of the tree into its direct children (for comparing two trees)."""
+    accessors, children, _ = optree.tree_flatten_with_accessor(
+        tree, is_leaf=lambda node: node is not tree, namespace=NAMESPACE
+    )
+    _, metadata, _, _ = optree.tree_flatten_one_level(tree, namespace=NAMESPACE)
+    return Node(children, [accessor[0] for accessor in accessors], metadata)
 
 
-# A path is a tuple of (entry_type, entry) pairs from the root of ``(args, kwargs)``.
-Path = tuple[tuple[type, Any], ...]
-
-
-def format_path(path: Path, root: str | None = None) -> str:
+def format_path(path: Sequence[optree.PyTreeEntry], root: str | None = None) -> str:
     """Write a leaf path as a user reads it, e.g. ``args[0]["next", "obs"]`` or ``kwargs["x"]``.
 
-    Without ``root``, the path starts at a call's tree, the pair ``(args, kwargs)``, whose
-    first entry becomes the name ``args`` or ``kwargs``; with ``root``, the path starts at
-    a tree of that name. Consecutive TensorDict keys form one nested key.
+    ``path`` is an optree accessor (or its entries). Without ``root``, it starts at a
+    call's tree, the pair ``(args, kwargs)``, whose first entry becomes the name ``args`` or
+    ``kwargs``; with ``root``, at a tree of that name. Consecutive TensorDict keys form one
+    nested key.
     """
+    entries = list(path)
     if root is not None:
-        out, rest = [root], path
-    elif not path:
+        out = [root]
+    elif not entries:
         return "(args, kwargs)"
     else:
-        (_, first), rest = path[0], path[1:]
-        out = ["args" if first == 0 else "kwargs"]
-    td_keys: list[str] = []
-    for entry_type, entry in rest:
-        if issubclass(entry_type, NonTensorEntry):
+        out = ["args" if entries.pop(0).entry == 0 else "kwargs"]
+    td_keys: list[Any] = []
+    for entry in entries:
+        if isinstance(entry, NonTensorEntry):
             continue
-        if issubclass(entry_type, TensorDictKeyEntry):
-            td_keys.append(entry)
+        if isinstance(entry, TensorDictKeyEntry):
+            td_keys.append(entry.entry)
             continue
         if td_keys:
             out.append(_format_key(tuple(td_keys)))
             td_keys = []
-        if issubclass(entry_type, optree.GetAttrEntry):
-            out.append(f".{entry}")
-        elif issubclass(entry_type, optree.MappingEntry):
-            out.append(_format_key((entry,)))
+        if isinstance(entry, optree.NamedTupleEntry):
+            out.append(f".{entry.field}")
+        elif isinstance(entry, optree.GetAttrEntry):
+            out.append(f".{entry.entry}")
+        elif isinstance(entry, optree.MappingEntry):
+            out.append(_format_key((entry.entry,)))
         else:
-            out.append(f"[{entry!r}]")
+            out.append(f"[{entry.entry!r}]")
     if td_keys:
         out.append(_format_key(tuple(td_keys)))
     return "".join(out)
@@ -260,18 +264,3 @@ def format_path(path: Path, root: str | None = None) -> str:
 
 def _format_key(keys: tuple[Any, ...]) -> str:
     return "[" + ", ".join(f'"{k}"' if isinstance(k, str) else repr(k) for k in keys) + "]"
-
-
-def walk_leaves(tree: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
-    """Yield ``(path, leaf)`` for every leaf of ``tree``, in the order of :func:`flatten`."""
-    if is_leaf(tree):
-        yield path, tree
-        return
-    node = one_level(tree)
-    for entry, child in zip(node.entries, node.children, strict=True):
-        yield from walk_leaves(child, (*path, (node.entry_type, entry)))
-
-
-def leaf_paths(tree: Any, root: str | None = None) -> list[str]:
-    """Readable paths of the leaves of ``tree``, in the order of :func:`flatten`."""
-    return [format_path(path, root) for path, _ in walk_leaves(tree)]

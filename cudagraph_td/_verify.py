@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import _tree
+from . import _errors, _tree
 from ._training import find_state
 
 
@@ -63,12 +63,7 @@ class Verifier:
         self.done += 1
         self.left -= 1
         if training_step:
-            raise RuntimeError(
-                f"{self.name}(verify=...) cannot check this graph: it is a training step (it "
-                "updates parameters or their gradients), which an eager run on the same inputs "
-                "would apply a second time. Verify the function without its optimizer step, or "
-                "leave `verify` at 0."
-            )
+            raise _errors.cannot_verify_training_step(self.name)
         copy_args, copy_kwargs = copies
         with _state_kept(self.fn, device), torch.no_grad():
             expected = self.fn(*copy_args, **copy_kwargs)
@@ -79,18 +74,7 @@ class Verifier:
             raise VerificationError(self._message(*difference))
 
     def _message(self, path: str, detail: str) -> str:
-        where = f"returned {path}" if path.startswith("output") else f"updated {path} in place"
-        return (
-            f"{self.name} replay {self.done} (verify=) {where} unlike an eager run of the "
-            f"function on the same inputs: {detail} A graph replays the kernels recorded at "
-            "capture, with the values the Python code read then. Likely causes: control flow "
-            "that depends on a value (an `if` on a tensor or on a Python number that changes "
-            "between calls), which the graph fixed to the branch it took at capture; a Python "
-            "value read at capture (a global, an attribute, a number computed in Python) that "
-            "changed since, which the graph keeps as a constant: pass it as a tensor input; or "
-            "random numbers, which the replay and the eager run draw differently (a function "
-            "that draws them cannot be verified). Call `reset()` to capture the graph again."
-        )
+        return _errors.verification_failed(self.name, self.done, path, detail)
 
 
 def _first_difference(actual: Any, expected: Any, root: str | None) -> tuple[str, str] | None:

@@ -178,7 +178,8 @@ def test_shared_pool_and_capture_error_mode(cuda: Backend) -> None:
 def test_graph_device_follows_the_inputs(cuda: Backend) -> None:
     graphed = cuda.wrap(lambda x: x + 1, warmup=1)
     graphed(cuda.randn(2))
-    assert graphed._runner.backend is not None and graphed._runner.backend.device == cuda.device
+    runner = graphed._current_runner()
+    assert runner.backend is not None and runner.backend.device == cuda.device
 
 
 def test_graph_survives_cleared_cublas_workspaces(cuda: Backend) -> None:

@@ -272,9 +272,9 @@ def test_several_outputs_are_fresh_either_way(
 ) -> None:
     # Several outputs come back as views of one new buffer per dtype (small, contiguous
     # results) or as one clone each (large results, or any non-contiguous output).
-    from cudagraph_td import _graph
+    from cudagraph_td import _outputs
 
-    monkeypatch.setattr(_graph, "_PACK_LIMIT_BYTES", limit)
+    monkeypatch.setattr(_outputs, "_PACK_LIMIT_BYTES", limit)
 
     def fn(x: torch.Tensor) -> dict[str, torch.Tensor]:
         y = x.t() if transposed else x * 1

@@ -37,8 +37,8 @@ def test_dropping_a_wrapper_frees_its_graph_without_the_garbage_collector(
         with torch.no_grad():
             for _ in range(3):
                 graphed(TensorDict(obs=backend.randn(8, 4), batch_size=[8]))
-        runner = weakref.ref(graphed._runner)
-        captured = weakref.ref(graphed._runner.captured)
+            runner = weakref.ref(graphed._current_runner())
+            captured = weakref.ref(graphed._current_runner().captured)
         del graphed
         assert runner() is None and captured() is None
         if backend.name == "cuda":

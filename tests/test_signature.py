@@ -37,11 +37,11 @@ def _check_raises(
     graphed: Any, args: Any, kwargs: Any, error: type[Exception], message: str
 ) -> None:
     """The call raises ``error`` with ``message``, leaves the graph untouched and keeps working."""
-    static_before = [t.clone() for t in graphed._runner.captured.signature.static_inputs]
+    static_before = [t.clone() for t in graphed._current_runner().captured.signature.static_inputs]
     with pytest.raises(error, match=re.escape(message)):
         graphed(*args, **kwargs)
     for before, after in zip(
-        static_before, graphed._runner.captured.signature.static_inputs, strict=True
+        static_before, graphed._current_runner().captured.signature.static_inputs, strict=True
     ):
         torch.testing.assert_close(before, after)  # nothing was copied into the graph
 
@@ -267,16 +267,22 @@ def test_one_tensordict_batch_is_read_by_key_and_matches_eager(
     for _ in range(2):
         graphed(_batch(backend))
     full_checks = 0
-    match = graphed._runner.captured.signature.match
+    runner = graphed._current_runner()
+    signature = runner.captured.signature
 
-    def counting_match(*args: Any) -> Any:
-        nonlocal full_checks
-        full_checks += 1
-        return match(*args)
+    def counting(check: Any) -> Any:
+        def counted(*args: Any) -> Any:
+            nonlocal full_checks
+            full_checks += 1
+            return check(*args)
 
-    monkeypatch.setattr(graphed._runner.captured.signature, "match", counting_match)
-    graphed._runner.replay = graphed._runner.captured._replay_function()
-    graphed._follow(graphed._runner)
+        return counted
+
+    # Flattening reads (the general reader) and full checks (the slow path) are counted.
+    monkeypatch.setattr(signature, "read", counting(signature.read))
+    monkeypatch.setattr(signature, "match", counting(signature.match))
+    runner.replay = None  # the replay path is built again, with the counting checks
+    graphed._select()
     results = []
     for _ in range(3):
         td = _batch(backend)
