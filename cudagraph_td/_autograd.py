@@ -109,7 +109,6 @@ class DifferentiableCall:
     """A call captured for autograd: a launch replays the forward inside an autograd node."""
 
     training_step = False
-    bare_replay: Callable[[], None] | None = None  # a launch goes through the autograd node
 
     def __init__(
         self,

@@ -43,11 +43,21 @@ class GraphCall:
         self._mutated = mutated
         self._mutated_static = [signature.static_inputs[i] for i in mutated]
         self._fresh = outputs.copies.make
-        self.bare_replay: Callable[[], None] | None = self._replay
-        if mutated or watch is not None:
-            self.bare_replay = None
 
-    def launch(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    @staticmethod
+    def of(
+        signature: Signature,
+        graph: Graph,
+        outputs: Outputs,
+        mutated: list[int],
+        watch: _training.Watch | None,
+    ) -> GraphCall:
+        """The call of a plain graph, of the class whose ``launch`` fits it."""
+        one = len(signature.static_inputs) == 1 and len(outputs.static) == 1
+        cls = _OneTensorCall if one and not mutated and watch is None else GraphCall
+        return cls(signature, graph, outputs, mutated, watch)
+
+    def launch(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """Copy ``tensors`` (checked) into the static inputs, replay, return fresh outputs."""
         if self._watch is not None:  # a training step: its gradients and hyperparameters
             self._watch()
@@ -57,6 +67,15 @@ class GraphCall:
         if self._mutated:  # in-place updates of inputs reach the caller, as in eager
             foreach_copy_([tensors[i] for i in self._mutated], self._mutated_static)
         return self._fresh()
+
+
+class _OneTensorCall(GraphCall):
+    """The commonest graph: one tensor in, one out, nothing else to do (see `GraphCall.of`)."""
+
+    def launch(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        foreach_copy_(self._static_inputs, tensors)  # type: ignore[arg-type]  # faster than copy_
+        self._replay()
+        return (self.outputs.static[0].clone(),)
 
 
 def capture(
@@ -108,7 +127,7 @@ def capture(
     watch = observed.watch(name)
     if watch is not None and backend.reruns_python:
         graph = _training.PinnedGrads(graph, watch)
-    return GraphCall(signature, graph, outputs, mutated, watch), result
+    return GraphCall.of(signature, graph, outputs, mutated, watch), result
 
 
 def _path_requiring_grad(tree: Any) -> str | None:

@@ -4,7 +4,7 @@ A call that replays a captured graph takes four steps, each prepared at capture:
 
 1. A *reader* takes the call's input tensors out of its arguments, in the order of the
    graph's static inputs: positional tensors (:class:`Positional`), the entries of one
-   TensorDict (:class:`TensorDictBatch`, :class:`TensorDictKeys`), keyword tensors
+   TensorDict (:class:`TensorDictEntries`), keyword tensors
    (:class:`Keywords`), or, for any other call, the leaves of the flattened arguments once
    their structure and constants match the capture's (:class:`Flattening`).
 2. One metadata check (:data:`metadata`): every tensor's type, shape, dtype, device and
@@ -12,6 +12,9 @@ A call that replays a captured graph takes four steps, each prepared at capture:
 3. The captured call's ``launch``: the tensors copied into the static buffers, the graph
    replayed, the output tensors returned in fresh memory (through the autograd node, for a
    call captured for autograd).
+
+Each part may have a variant for one tensor, chosen at capture beside its general form
+(a list of one element costs as much as the steps themselves); the replay function is one.
 4. A *writer* gives the result its form: the captured output tree (:class:`Tree`), the
    caller's TensorDict with the written entries (:class:`IntoTensorDict`), or the out_keys'
    values (:class:`OutKeyValues`).
@@ -31,7 +34,6 @@ import torch
 from tensordict import TensorDict
 
 from . import _compat, _tree
-from ._compat import foreach_copy_
 from ._outputs import Outputs
 from ._signature import Signature, metadata
 
@@ -49,9 +51,6 @@ class Captured(Protocol):
     signature: Signature  # the inputs: static buffers, the full check and its errors
     outputs: Outputs  # the outputs: their structure, and the static tensors
     training_step: bool  # whether it updates parameters (a step cannot be verified)
-    # The bare graph replay, when a launch is only "copy in, replay, copy out" (no autograd
-    # node, no training-step checks, no inputs written back); else None.
-    bare_replay: Callable[[], None] | None
 
     def launch(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """Replay on checked input tensors; return the output tensors in fresh memory."""
@@ -98,52 +97,44 @@ class Keywords:
             return None
 
 
-class TensorDictKeys:
-    """``module(td)``: the entries of a TensorDict at ``keys``, its other entries ignored.
+class TensorDictEntries:
+    """``fn(td)``: entries of one TensorDict, the call's only argument, read by key.
 
-    How a TensorDictModule reads its ``in_keys``. The batch size is compared too: the graph
-    was captured for one.
+    For a module's ``in_keys``, the TensorDict's other entries are ignored, as the module
+    ignores them. ``exact`` (a TensorDict that is the function's whole input, a batch): it
+    must have no other entry, and the capture's device and no names. The batch size is
+    compared either way: the graph was captured for one.
     """
 
-    def __init__(self, keys: Sequence[Any], batch_size: torch.Size):
-        # Single-key tuples as plain strings, the faster lookups.
+    def __init__(
+        self,
+        keys: Sequence[Any],
+        batch_size: torch.Size,
+        *,
+        exact: bool = False,
+        device: torch.device | None = None,
+    ):
+        # Single-key tuples as plain strings; keys that are all strings are read from the
+        # TensorDict's stored dict, faster than its `[]`.
         self.keys = [key[0] if isinstance(key, tuple) and len(key) == 1 else key for key in keys]
+        self.flat = all(isinstance(key, str) for key in self.keys)
         self.batch_size = batch_size
-
-    def read(self, args: Args, kwargs: Kwargs) -> Sequence[Any] | None:
-        if kwargs or len(args) != 1:
-            return None
-        td = args[0]
-        if type(td) is not TensorDict or td.batch_size != self.batch_size:
-            return None
-        try:
-            return [td[key] for key in self.keys]  # [] reads faster than get()
-        except KeyError:
-            return None
-
-
-class TensorDictBatch:
-    """``fn(td)``: one TensorDict of tensors, the function's only argument (a batch).
-
-    All its entries are the inputs, so it must have no other: the number of entries, the
-    batch size, the device and the absence of names are compared with the capture's.
-    """
-
-    def __init__(self, td: TensorDict):
-        self.keys: list[Any] = sorted(td.keys())  # the flattening order (see `_tree`)
-        self.batch_size = td.batch_size
-        self.device = td.device
+        self.exact = exact
+        self.device = device
 
     @classmethod
-    def of(cls, args: Args, kwargs: Kwargs) -> TensorDictBatch | None:
-        """The reader of a call like ``(args, kwargs)``, if it is one TensorDict of tensors."""
+    def batch(cls, args: Args, kwargs: Kwargs) -> TensorDictEntries | None:
+        """The reader of calls like ``(args, kwargs)``, if it is one TensorDict of tensors."""
         if kwargs or len(args) != 1 or type(args[0]) is not TensorDict:
             return None
         td = args[0]
-        entries = _compat.td_entries(td).values()
-        if _compat.td_has_names(td) or not all(isinstance(v, torch.Tensor) for v in entries):
+        entries = _compat.td_entries(td)
+        if _compat.td_has_names(td) or not all(
+            isinstance(v, torch.Tensor) for v in entries.values()
+        ):
             return None
-        return cls(td)
+        keys = sorted(entries)  # the flattening order (see `_tree`)
+        return cls(keys, td.batch_size, exact=True, device=td.device)
 
     def read(self, args: Args, kwargs: Kwargs) -> Sequence[Any] | None:
         if kwargs or len(args) != 1:
@@ -151,11 +142,15 @@ class TensorDictBatch:
         td = args[0]
         if type(td) is not TensorDict or td.batch_size != self.batch_size:
             return None
-        entries = _compat.td_entries(td)  # the stored dict: no copy, no nested lookups
-        if len(entries) != len(self.keys) or td.device != self.device or _compat.td_has_names(td):
+        entries = _compat.td_entries(td)
+        if self.exact and (
+            len(entries) != len(self.keys) or td.device != self.device or _compat.td_has_names(td)
+        ):
             return None
         try:
-            return [entries[key] for key in self.keys]
+            if self.flat:
+                return [entries[key] for key in self.keys]
+            return [td[key] for key in self.keys]
         except KeyError:
             return None
 
@@ -175,7 +170,7 @@ def reader_for(signature: Signature) -> Reader:
     if kwargs and not args and all(isinstance(v, torch.Tensor) for v in kwargs.values()):
         # Their order among the static inputs: the flattening order of the keywords.
         return Keywords([path[1] for path in _tree.leaf_keys((args, kwargs))])
-    return TensorDictBatch.of(args, kwargs) or Flattening(signature)
+    return TensorDictEntries.batch(args, kwargs) or Flattening(signature)
 
 
 # Writers ---------------------------------------------------------------------------------
@@ -193,8 +188,20 @@ class Tree:
     def __init__(self, outputs: Outputs):
         self.rebuild = outputs.rebuild
 
+    @staticmethod
+    def of(outputs: Outputs) -> Writer:
+        """The writer of a function's result: the tensor itself, if it is one tensor."""
+        return OneTensor() if outputs.single_tensor else Tree(outputs)
+
     def write(self, args: Args, fresh: Sequence[torch.Tensor]) -> Any:
         return self.rebuild(fresh)
+
+
+class OneTensor:
+    """The commonest result: one tensor, without a tree to rebuild."""
+
+    def write(self, args: Args, fresh: Sequence[torch.Tensor]) -> Any:
+        return fresh[0]
 
 
 class IntoTensorDict:
@@ -216,12 +223,11 @@ class OutKeyValues:
 
     def __init__(self, indices: Sequence[int]):
         self.indices = list(indices)
-        self.write = self._one if len(self.indices) == 1 else self._several
+        self.single = self.indices[0] if len(self.indices) == 1 else None
 
-    def _one(self, args: Args, fresh: Sequence[torch.Tensor]) -> Any:
-        return fresh[self.indices[0]]
-
-    def _several(self, args: Args, fresh: Sequence[torch.Tensor]) -> Any:
+    def write(self, args: Args, fresh: Sequence[torch.Tensor]) -> Any:
+        if self.single is not None:
+            return fresh[self.single]
         return tuple(fresh[i] for i in self.indices)
 
 
@@ -232,14 +238,14 @@ Route = tuple[Reader, Writer]
 
 def default_routes(captured: Captured) -> list[Route]:
     """The route of a function's graph: the fastest reader of its calls, the output tree."""
-    return [(reader_for(captured.signature), Tree(captured.outputs))]
+    return [(reader_for(captured.signature), Tree.of(captured.outputs))]
 
 
 def replay_function(captured: Captured, routes: Sequence[Route]) -> ReplayFunction:
     """The replay path of ``captured``: the first reader of ``routes`` that reads the call,
     the metadata check, the launch, and that reader's writer; :data:`MISS` otherwise."""
     bound = [(reader.read, writer.write) for reader, writer in routes]
-    expected = captured.signature.expected
+    check = _metadata_check(captured.signature.expected)
     launch = captured.launch
 
     def replay(args: Args, kwargs: Kwargs) -> Any:
@@ -250,39 +256,19 @@ def replay_function(captured: Captured, routes: Sequence[Route]) -> ReplayFuncti
         else:
             return MISS
         try:
-            same = list(map(metadata, tensors)) == expected
+            same = check(tensors)
         except Exception:  # a leaf that is not a tensor
             same = False
         if not same:
             return MISS
         return write(args, launch(tensors))
 
-    bare_replay = captured.bare_replay
-    if len(expected) != 1 or bare_replay is None or len(captured.outputs.static) != 1:
-        return replay
+    return replay
 
-    # One tensor in, one out, on a bare graph: the commonest call (a network on a batch), in
-    # the fewest steps. The same steps as `replay`, with the lists of one element unrolled,
-    # which cost as much as the steps themselves at this size.
-    (expected_one,) = expected
-    static_inputs = captured.signature.static_inputs
-    (static_output,) = captured.outputs.static
 
-    def replay_one(args: Args, kwargs: Kwargs) -> Any:
-        for read, write in bound:  # noqa: B007 (the writer of the reader that read)
-            tensors = read(args, kwargs)
-            if tensors is not None:
-                break
-        else:
-            return MISS
-        try:
-            same = metadata(tensors[0]) == expected_one
-        except Exception:
-            same = False
-        if not same:
-            return MISS
-        foreach_copy_(static_inputs, tensors)  # type: ignore[arg-type]  # faster than `copy_`
-        bare_replay()
-        return write(args, (static_output.clone(),))
-
-    return replay_one
+def _metadata_check(expected: list[Any]) -> Callable[[Sequence[Any]], bool]:
+    """The replay's one metadata check: ``tensors`` have the ``expected`` :data:`metadata`."""
+    if len(expected) == 1:  # the commonest call, without a list of one element
+        (one,) = expected
+        return lambda tensors: metadata(tensors[0]) == one
+    return lambda tensors: list(map(metadata, tensors)) == expected

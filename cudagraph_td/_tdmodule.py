@@ -20,7 +20,7 @@ from tensordict.base import is_tensor_collection
 from tensordict.nn import dispatch
 
 from . import _errors, _tree
-from ._replay import Captured, IntoTensorDict, Keywords, OutKeyValues, Route, TensorDictKeys
+from ._replay import Captured, IntoTensorDict, Keywords, OutKeyValues, Route, TensorDictEntries
 
 if TYPE_CHECKING:  # the runner's owner calls the layer: no import at run time
     from ._graph import GraphRunner
@@ -158,7 +158,7 @@ class TensorDictLayer:
         if in_paths is None or out_paths is None or set(in_paths) != set(self.in_keys_tuples):
             return []
         routes: list[Route] = [
-            (TensorDictKeys(in_paths, selected.batch_size), IntoTensorDict(out_paths))
+            (TensorDictEntries(in_paths, selected.batch_size), IntoTensorDict(out_paths))
         ]
         # The out-key "_" marks an output that is not returned, as in tensordict.
         returned = [_key_tuple(key) for key in self.out_keys if key != "_"]
