@@ -1,0 +1,129 @@
+"""The private torch and tensordict APIs of `_compat`: each behaves as the library assumes.
+
+A failure here means an upstream release changed something the library relies on: read the
+entry's note in `cudagraph_td/_compat.py` before changing the library.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict, tensorclass
+from tensordict.nn import InteractionType, set_interaction_type
+from tensordict.nn import interaction_type as public_interaction_type
+from tensordict.tensorclass import NonTensorData
+
+from cudagraph_td import _compat
+
+from .conftest import requires_cuda
+
+
+def test_cuda_graph_replay_only_checks_the_liveness_tracker() -> None:
+    # `graph_replay` calls the C++ replay and skips `CUDAGraph.replay`'s Python frame, whose
+    # only work is the liveness tracker's check. Any other name in it (a hook, a counter)
+    # would be skipped too: read the new code before accepting it here.
+    names = set(torch.cuda.CUDAGraph.replay.__code__.co_names)
+    assert names == {"_tracker", "check_alive", "pool", "super", "replay"}
+
+
+@requires_cuda
+def test_graph_replay_is_the_cpp_replay_for_a_graph_without_tracker() -> None:
+    graph = torch.cuda.CUDAGraph()
+    x = torch.zeros(4, device="cuda")
+    with torch.cuda.graph(graph):
+        x.add_(1)
+    replay = _compat.graph_replay(graph)
+    assert replay == super(torch.cuda.CUDAGraph, graph).replay
+    replay()
+    torch.cuda.synchronize()
+    assert x.tolist() == [1.0] * 4
+
+
+def test_other_graphs_replay_through_their_own_replay() -> None:
+    class Recorded:
+        replays = 0
+
+        def replay(self) -> None:
+            self.replays += 1
+
+    graph = Recorded()
+    _compat.graph_replay(graph)()
+    assert graph.replays == 1
+
+
+@requires_cuda
+def test_cublas_workspaces_can_be_cleared() -> None:
+    assert callable(torch._C._cuda_clearCublasWorkspaces)
+    a = torch.randn(8, 8, device="cuda")
+    _compat.clear_cublas_workspaces()
+    torch.testing.assert_close(a @ a, (a.double() @ a.double()).float(), rtol=1e-4, atol=1e-4)
+
+
+def test_interaction_type_reads_the_same_mode_as_the_public_function() -> None:
+    assert _compat.interaction_type() == public_interaction_type()
+    for mode in InteractionType:
+        with set_interaction_type(mode):
+            assert _compat.interaction_type() == public_interaction_type() == mode
+
+
+def test_distributions_validate_args_reads_the_default_set_by_its_setter() -> None:
+    before = _compat.distributions_validate_args()
+    try:
+        for value in (False, True):
+            torch.distributions.Distribution.set_default_validate_args(value)
+            assert _compat.distributions_validate_args() is value
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(before)
+
+
+def test_tensordict_entries_are_its_stored_entries() -> None:
+    td = TensorDict(
+        a=torch.zeros(2), nested=TensorDict(b=torch.ones(2), batch_size=[2]), batch_size=[2]
+    )
+    entries = _compat.td_entries(td)
+    assert set(entries) == {"a", "nested"}
+    assert entries["a"] is td.get("a")
+    assert isinstance(entries["nested"], TensorDict) and entries["nested"]["b"] is td["nested", "b"]
+    td["c"] = torch.ones(2)
+    assert "c" in _compat.td_entries(td)  # the live dict, not a copy
+
+
+def test_tensordict_get_keeps_non_tensor_data_wrapped() -> None:
+    td = TensorDict(a=torch.zeros(2), batch_size=[2])
+    td["label"] = "text"
+    assert isinstance(_compat.td_get(td, "label"), NonTensorData)
+    assert _compat.td_get(td, "a") is td["a"]
+
+
+def test_tensordict_names_and_unchecked_construction() -> None:
+    td = TensorDict(a=torch.zeros(2, 3), batch_size=[2])
+    assert not _compat.td_has_names(td)
+    named = td.clone().refine_names("batch")
+    assert _compat.td_has_names(named)
+    rebuilt = _compat.td_new(TensorDict, {"a": td["a"]}, td.batch_size, td.device, ("batch",))
+    assert type(rebuilt) is TensorDict and rebuilt.names == ["batch"]
+    assert rebuilt["a"] is td["a"] and rebuilt.batch_size == td.batch_size
+
+
+@tensorclass
+class _Sample:
+    obs: torch.Tensor
+    label: str
+
+
+def test_tensorclass_parts_round_trip() -> None:
+    sample = _Sample(obs=torch.zeros(2, 3), label="x", batch_size=[2])
+    td, others = _compat.tensorclass_parts(sample)
+    assert isinstance(td, TensorDict) and td["obs"] is sample.obs
+    assert isinstance(others, dict)  # fields kept outside the TensorDict (none here)
+    # Every field is on one side or the other.
+    assert set(td.keys()) | set(others) == {"obs", "label"}
+    rebuilt = _compat.tensorclass_new(_Sample, td, others)
+    assert type(rebuilt) is _Sample and rebuilt.obs is sample.obs and rebuilt.label == "x"
+
+
+def test_foreach_copy_and_as_strided() -> None:
+    dst, src = [torch.zeros(3)], [torch.arange(3.0)]
+    _compat.foreach_copy_(dst, src)
+    assert dst[0].tolist() == [0.0, 1.0, 2.0]
+    flat = torch.arange(6.0)
+    assert _compat.as_strided(flat, (2, 2), (1, 2), 1).tolist() == [[1.0, 3.0], [2.0, 4.0]]
