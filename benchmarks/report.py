@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 OURS, FLOOR, TD = "cudagraph_td", "floor", "tensordict"
+BEFORE = "cudagraph_td (before)"  # an earlier version, timed in the same run
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -94,6 +95,16 @@ def targets(results: list[dict[str, Any]]) -> list[tuple[str, bool | None, str]]
                 f"{r:.2f}x" if r else "",
             )
         )
+    for workload, medians in by_name.items():
+        if BEFORE in medians and OURS in medians and FLOOR in medians:
+            now, before = medians[OURS] / medians[FLOOR], medians[BEFORE] / medians[FLOOR]
+            checks.append(
+                (
+                    f"{workload}: cudagraph_td / floor within 0.02 of the version before",
+                    now - before <= 0.02,
+                    f"{now:.3f} (before: {before:.3f})",
+                )
+            )
     slower = [
         f"{w} ({m[OURS] / m[TD]:.2f})"
         for w, m in by_name.items()

@@ -2,6 +2,11 @@
 
     python benchmarks/run.py                  # all workloads, results in benchmarks/results/
     python benchmarks/run.py --out docs/benchmarks --name h100
+    python benchmarks/run.py --baseline benchmarks/baseline   # with the code before a change
+
+``--baseline DIR`` times an earlier version of the library beside this one, in the same
+process, as the variant ``cudagraph_td (before)``: DIR holds it as the package
+``cudagraph_td_baseline``, which ``scripts/make_baseline.sh REV`` makes from a commit.
 
 Per workload, the variants are built (warm-up, compilation and capture happen here, untimed),
 then timed in ``--repeats`` rounds. Each round times every variant once, in a rotated
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import gc
+import importlib
 import json
 import pathlib
 import platform
@@ -51,9 +57,6 @@ import report
 import workloads
 
 import cudagraph_td
-
-# Workloads timed without autograd (a policy in a collector); the others train.
-NO_GRAD = ("a.", "b.", "c.")
 
 
 def sync() -> None:
@@ -94,7 +97,7 @@ def time_cpu(call: Callable[[], Any], calls: int, burst: int = 16) -> float:
 
 
 def grad_context(workload: workloads.Workload) -> AbstractContextManager[Any]:
-    return torch.no_grad() if workload.name.startswith(NO_GRAD) else nullcontext()
+    return torch.no_grad() if workload.no_grad else nullcontext()
 
 
 def build(
@@ -207,13 +210,21 @@ def main() -> None:
     parser.add_argument("--workloads", default="", help="comma-separated name prefixes (a,b,...)")
     parser.add_argument("--variants", default="", help="comma-separated variants (default all)")
     parser.add_argument("--no-compile", action="store_true", help="leave out torch.compile")
+    parser.add_argument(
+        "--baseline", default="", help="folder of an earlier version (scripts/make_baseline.sh)"
+    )
     args = parser.parse_args()
+    if args.baseline:
+        sys.path.insert(0, str(pathlib.Path(args.baseline).resolve()))
+        workloads.BASELINE = importlib.import_module("cudagraph_td_baseline")
     faulthandler.enable()  # a crash inside a tool prints where it happened
     if not torch.cuda.is_available():
         cpu_fallback(args)
         return
     if args.no_compile:
-        args.variants = args.variants or "eager,floor,tensordict,cudagraph_td,cudagraph_td (module)"
+        args.variants = args.variants or (
+            f"eager,floor,tensordict,cudagraph_td,cudagraph_td (module),{workloads.BEFORE}"
+        )
     device = torch.device("cuda")
     chosen = tuple(p.strip() for p in args.workloads.split(",") if p.strip())
     results, captures = [], []
@@ -232,6 +243,7 @@ def main() -> None:
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
         "command": "python " + " ".join(sys.argv),
+        "baseline": getattr(workloads.BASELINE, "REVISION", None),
         "repeats": args.repeats,
     }
     out = pathlib.Path(args.out)

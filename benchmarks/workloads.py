@@ -12,6 +12,8 @@ a tool cannot run is left out with the reason (``Unsupported``).
 - ``compile``: ``torch.compile(mode="reduce-overhead")`` (CUDA graphs through inductor).
 - ``torch.make_graphed``: ``torch.cuda.make_graphed_callables`` (workload e).
 - ``cudagraph_td``: this library.
+- ``cudagraph_td (before)``: an earlier version of this library, timed in the same run
+  (``run.py --baseline``), to check that a change costs nothing per call.
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ class Workload:
     # variant name -> a factory of the call counted in the capture cost (from construction
     # to the first replay), for the wrappers that capture.
     captures: dict[str, Callable[[], Call]] = field(default_factory=dict)
+    # Timed under torch.no_grad() (a policy in a collector), else in grad mode.
+    no_grad: bool = False
+
+
+# An earlier version of the library, as a package of another name (see `run.py --baseline`).
+BASELINE: Any = None
+BEFORE = "cudagraph_td (before)"
 
 
 def _hand_graph(
@@ -72,6 +81,8 @@ def _wrappers(
 ) -> dict[str, Callable[[], Call]]:
     """The ``tensordict`` and ``cudagraph_td`` variants of ``fn``, called by ``call``."""
     variants = {"cudagraph_td": lambda: call(cudagraph_td.CudaGraphModule(fn, warmup=2))}
+    if BASELINE is not None:
+        variants[BEFORE] = lambda: call(BASELINE.CudaGraphModule(fn, warmup=2))
     if td_ok:
         variants["tensordict"] = lambda: call(TDCudaGraphModule(fn, warmup=2))
     return variants
@@ -127,7 +138,9 @@ def tiny_op(device: torch.device) -> Workload:
     def call(f: Callable[..., Any]) -> Call:
         return lambda: f(x)
 
-    w = Workload("a. tiny op", "`x + 1` on a 16-element tensor: the wrapper's own overhead")
+    w = Workload(
+        "a. tiny op", "`x + 1` on a 16-element tensor: the wrapper's own overhead", no_grad=True
+    )
     return _with_every_tool(w, fn, call, floor)
 
 
@@ -158,7 +171,9 @@ def many_leaves(device: torch.device, n: int) -> Workload:
     def call(f: Callable[..., Any]) -> Call:
         return lambda: f(inputs)
 
-    w = Workload(f"b. {n} leaves", f"a dict of {n} tensors in, {n} tensors out (`2 * x` each)")
+    w = Workload(
+        f"b. {n} leaves", f"a dict of {n} tensors in, {n} tensors out (`2 * x` each)", no_grad=True
+    )
     return _with_every_tool(w, fn, call, floor)
 
 
@@ -193,6 +208,7 @@ def policy_td(device: torch.device) -> Workload:
     w = Workload(
         "c. policy, TensorDict",
         "a TensorDictModule MLP policy (17-256-256-6, batch 32) called with a TensorDict",
+        no_grad=True,
     )
     return _with_every_tool(w, policy, call, floor)
 
@@ -217,8 +233,48 @@ def policy_kwargs(device: torch.device) -> Workload:
     w = Workload(
         "c. policy, keywords",
         "the same policy called with a keyword tensor: `policy(observation=obs)`",
+        no_grad=True,
     )
     return _with_every_tool(w, policy, call, floor)
+
+
+def policy_grad(device: torch.device) -> Workload:
+    """The TensorDict policy in grad mode (a training forward), against torch's
+    ``make_graphed_callables`` on the same network (the floor here)."""
+    template = _policy(device)
+    td = TensorDict(observation=torch.randn(32, 17, device=device), batch_size=[32])
+
+    def floor() -> Call:
+        net = copy.deepcopy(template.module)
+        graphed = torch.cuda.make_graphed_callables(net, (td["observation"].clone(),))
+
+        def call() -> TensorDict:
+            td["action"] = graphed(td["observation"])
+            return td
+
+        return call
+
+    def wrapped(make: Callable[..., Any]) -> Callable[[], Call]:
+        return lambda: _calling_with(td, make(copy.deepcopy(template), warmup=2))
+
+    w = Workload(
+        "c. policy, grad mode",
+        "the policy called with a TensorDict in grad mode (a training forward, backward not "
+        "timed); floor: torch.cuda.make_graphed_callables on its network",
+    )
+    w.variants = {
+        "eager": lambda: _calling_with(td, copy.deepcopy(template)),
+        "floor": floor,
+        "cudagraph_td": wrapped(cudagraph_td.CudaGraphModule),
+    }
+    if BASELINE is not None:
+        w.variants[BEFORE] = wrapped(BASELINE.CudaGraphModule)
+    w.captures = {"cudagraph_td": wrapped(cudagraph_td.CudaGraphModule)}
+    return w
+
+
+def _calling_with(td: TensorDict, module: Callable[..., Any]) -> Call:
+    return lambda: module(td)
 
 
 # (d) ---------------------------------------------------------------------------------
@@ -282,6 +338,8 @@ def sac_update(device: torch.device) -> Workload:
         "tensordict": lambda: call(TDCudaGraphModule(agent().update, warmup=2)),
         "compile": lambda: _compiled(agent().update, call),
     }
+    if BASELINE is not None:
+        w.variants[BEFORE] = lambda: call(BASELINE.CudaGraphModule(agent().update, warmup=2))
     w.captures = {
         "cudagraph_td": lambda: call(cudagraph_td.CudaGraphModule(agent().update, warmup=2)),
         "tensordict": lambda: call(TDCudaGraphModule(agent().update, warmup=2)),
@@ -344,6 +402,7 @@ def all_workloads(device: torch.device) -> list[Workload]:
         many_leaves(device, 32),
         policy_td(device),
         policy_kwargs(device),
+        policy_grad(device),
         sac_update(device),
         forward_backward(device),
     ]

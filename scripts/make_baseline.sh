@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Make an earlier version of the library importable beside the current one, for
+# `python benchmarks/run.py --baseline benchmarks/baseline` (one process times both):
+#   bash scripts/make_baseline.sh REV      # REV: a commit, e.g. HEAD~3 or a tag
+# It writes benchmarks/baseline/cudagraph_td_baseline/ (ignored by git): the package as it
+# was at REV, renamed, with its own optree namespace so that both can register TensorDict.
+set -euo pipefail
+rev=${1:?usage: make_baseline.sh REV}
+cd "$(git rev-parse --show-toplevel)"
+out=benchmarks/baseline/cudagraph_td_baseline
+rm -rf "$out" && mkdir -p "$out"
+git archive "$rev" cudagraph_td | tar -x -C "$out" --strip-components=1
+sed -i 's/^NAMESPACE = "cudagraph_td"/NAMESPACE = "cudagraph_td_baseline"/' "$out/_tree.py"
+grep -q '^NAMESPACE = "cudagraph_td_baseline"' "$out/_tree.py"
+echo "REVISION = \"$(git rev-parse --short "$rev")\"" >> "$out/__init__.py"
+echo "baseline: $rev ($(git rev-parse --short "$rev")) in $out"
