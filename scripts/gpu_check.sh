@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The whole GPU check in one call: the test suite (CUDA tests included) and the examples.
-# On the device machine (no network, torch preinstalled), from the repository root:
-#   bash scripts/gpu_check.sh
+# The whole GPU check in one call: the test suite (CUDA tests included), the examples, and
+# with BENCH=1 the benchmark (beside the version in benchmarks/baseline, if made by
+# scripts/make_baseline.sh). On the device machine (no network, torch preinstalled), from
+# the repository root:
+#   bash scripts/gpu_check.sh                 # tests and examples
+#   TESTS=0 BENCH=1 bash scripts/gpu_check.sh # the benchmark alone
 # It installs the wheels that ../shared/gpu/fetch-wheels.sh put in .whl/ (if any), and writes
 # its logs to $OUT (or ./gpu-logs when OUT is unset).
 set -uo pipefail
@@ -20,9 +23,17 @@ status=0
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c 'import torch, tensordict, optree; print("torch", torch.__version__, "tensordict", tensordict.__version__, "optree", optree.__version__)'
 } 2>&1 | tee "$out/env.log"
-CATALOG_EXAMPLES=${CATALOG_EXAMPLES:-200} python3 -m pytest -q -p no:cacheprovider tests cudagraph_td "$@" 2>&1 | tee "$out/gpu-tests.log" || status=1
-for example in examples/*.py; do
-  echo "== $example" | tee -a "$out/examples.log"
-  python3 "$example" 2>&1 | tee -a "$out/examples.log" || status=1
-done
+if [ "${TESTS:-1}" = 1 ]; then
+  CATALOG_EXAMPLES=${CATALOG_EXAMPLES:-200} python3 -m pytest -q -p no:cacheprovider tests cudagraph_td "$@" 2>&1 | tee "$out/gpu-tests.log" || status=1
+  for example in examples/*.py; do
+    echo "== $example" | tee -a "$out/examples.log"
+    python3 "$example" 2>&1 | tee -a "$out/examples.log" || status=1
+  done
+fi
+if [ "${BENCH:-0}" = 1 ]; then
+  baseline=()
+  [ -d benchmarks/baseline/cudagraph_td_baseline ] && baseline=(--baseline benchmarks/baseline)
+  python3 benchmarks/run.py --repeats "${REPEATS:-9}" "${baseline[@]}" --out "$out/bench" \
+    --name "${BENCH_NAME:-h100}" 2>&1 | tee "$out/bench.log" || status=1
+fi
 exit $status
