@@ -29,12 +29,14 @@ import workloads
 from run import time_cpu
 
 import cudagraph_td
+from cudagraph_td import _replay
+from cudagraph_td._signature import metadata
 
 Steps = dict[str, Callable[[], Any]]
 
 
 def best(call: Callable[[], Any], calls: int = 4000, rounds: int = 9) -> float:
-    return min(time_cpu(call, calls) for _ in range(rounds))
+    return min(time_cpu({"call": call}, max(1, calls // 16))["call"] for _ in range(rounds))
 
 
 def tiny_op() -> Steps:
@@ -44,12 +46,14 @@ def tiny_op() -> Steps:
     for _ in range(3):
         wrapper(x)
         theirs(x)
-    runner = wrapper._runner
+    runner = wrapper._current_runner()
     captured = runner.captured
     static_in, static_out = captured.signature.static_inputs, captured.outputs.static[0]
     graph = captured.graph
     replay = runner.replay
     base_replay = super(torch.cuda.CUDAGraph, graph).replay
+    (route,) = _replay.default_routes(captured)
+    reader, writer = route
 
     def floor() -> torch.Tensor:
         torch._foreach_copy_(static_in, [x])
@@ -68,13 +72,10 @@ def tiny_op() -> Steps:
         "its replay function, called directly": lambda: replay((x,), {}),
         "  mode: interaction_type()": interaction_type,
         "  mode: torch.is_grad_enabled()": torch.is_grad_enabled,
-        "  input check: (type, shape, dtype, device, requires_grad)": lambda: (
-            type(x),
-            x.shape,
-            x.dtype,
-            x.device,
-            x.requires_grad,
-        ),
+        "  reader (positional)": lambda: reader.read((x,), {}),
+        "  input check: metadata(x) == expected": lambda: metadata(x) == metadata(static_in[0]),
+        "  launch (copy, replay, clone)": lambda: captured.launch([x]),
+        "  writer (the one tensor)": lambda: writer.write((x,), (x,)),
         "    of which x.device": lambda: x.device,
         "    x.get_device(), for comparison": x.get_device,
         "  torch._foreach_copy_": lambda: torch._foreach_copy_(static_in, [x]),
@@ -98,19 +99,22 @@ def sac_update() -> Steps:
     for _ in range(3):
         wrapper(batch)
         theirs()
-    captured = wrapper._runner.captured
-    signature, outputs, watch = captured.signature, captured.outputs, captured.watch
-    assert watch is not None and signature.tensordict_arg is not None
+    captured = wrapper._current_runner().captured
+    signature, outputs, watch = captured.signature, captured.outputs, captured._watch
+    (route,) = _replay.default_routes(captured)
+    reader = route[0]
+    assert watch is not None and isinstance(reader, _replay.TensorDictEntries)
     tensors = signature.match((batch,), {})
-    fresh = outputs.fresh_tensors()
+    fresh = outputs.copies.make()
     keys = list(batch.keys())
     out_keys = [f"k{i}" for i in range(len(fresh))]
     return {
         "floor: read, copy, replay, clone, TensorDict": floor,
         "CudaGraphModule call": lambda: wrapper(batch),
         "tensordict's CudaGraphModule call": theirs,
-        "  input check: the batch read by key and compared": lambda: signature.quick_read(
-            (batch,), {}
+        "  reader: the batch read by key": lambda: reader.read((batch,), {}),
+        "  input check: one metadata comparison": lambda: (
+            list(map(metadata, tensors)) == signature.expected
         ),
         "  the full check, for comparison: signature.match": lambda: signature.match((batch,), {}),
         "    of which optree.tree_flatten": lambda: cudagraph_td._tree.optree.tree_flatten(
@@ -121,9 +125,9 @@ def sac_update() -> Steps:
             signature.static_inputs, tensors
         ),
         "  graph.replay()": captured.graph.replay,
-        "  fresh outputs (one buffer, views, _foreach_copy_)": outputs.fresh_tensors,
-        "    of which the views": lambda: cudagraph_td._graph._views(
-            torch.empty(len(fresh), device=device), outputs._groups[0][3]
+        "  fresh outputs (one buffer, views, _foreach_copy_)": outputs.copies.make,
+        "    of which the views": lambda: cudagraph_td._outputs._views(
+            torch.empty(len(fresh), device=device), outputs.copies._groups[0][3]
         ),
         "  the result rebuilt (optree.tree_unflatten)": lambda: outputs.rebuild(fresh),
         "  floor: batch[k] for each key": lambda: [batch[k] for k in keys],

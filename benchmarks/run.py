@@ -74,26 +74,33 @@ def time_calls(call: Callable[[], Any], calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def time_cpu(call: Callable[[], Any], calls: int, burst: int = 16) -> float:
-    """CPU microseconds per call: the time to issue it, the GPU work not waited for.
+def time_cpu(calls: dict[str, Callable[[], Any]], bursts: int, burst: int = 16) -> dict[str, float]:
+    """CPU microseconds per call of each variant: the time to issue it, the GPU work not
+    waited for.
 
     Calls run in short bursts after an (untimed) synchronisation, so that the GPU's launch
     queue never fills and no launch waits for the GPU: what is measured is the cost of
     the Python code and the launches, which is what a wrapper adds. Where the GPU work of a
     call takes longer than that, wall time is the GPU's and hides it.
+
+    The variants' bursts are interleaved (one burst of each in turn, ``bursts`` times), so
+    that every variant is timed in the same state of the machine: on a shared host, the
+    cost of the same call drifts by tens of percent within a second.
     """
-    per_burst, done = [], 0
-    while done < calls:
-        sync()
-        start = time.perf_counter()
-        for _ in range(burst):
-            call()
-        per_burst.append(time.perf_counter() - start)
-        done += burst
+    per_burst: dict[str, list[float]] = {name: [] for name in calls}
+    names = list(calls)
+    for b in range(bursts):
+        for name in names[b % len(names) :] + names[: b % len(names)]:
+            call = calls[name]
+            sync()
+            start = time.perf_counter()
+            for _ in range(burst):
+                call()
+            per_burst[name].append(time.perf_counter() - start)
     sync()
     # The median burst: an interruption of the process (another thread, the OS) costs one
     # burst, not the whole timing.
-    return statistics.median(per_burst) / burst * 1e6
+    return {name: statistics.median(t) / burst * 1e6 for name, t in per_burst.items()}
 
 
 def grad_context(workload: workloads.Workload) -> AbstractContextManager[Any]:
@@ -131,11 +138,13 @@ def measure(workload: workloads.Workload, args: argparse.Namespace) -> dict[str,
         times: dict[str, list[float]] = {name: [] for name in calls}
         cpu: dict[str, list[float]] = {name: [] for name in calls}
         names = list(calls)
+        bursts = max(args.bursts, n // 16)
         for r in range(args.repeats):
             order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 times[name].append(time_calls(calls[name], n))
-                cpu[name].append(time_cpu(calls[name], n))
+            for name, us in time_cpu(calls, bursts).items():
+                cpu[name].append(us)
     del calls
     gc.collect()
     return {
@@ -207,6 +216,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="rounds of timings")
     parser.add_argument("--calls", type=int, default=2000, help="most calls per timing")
     parser.add_argument("--seconds", type=float, default=0.05, help="target seconds per timing")
+    parser.add_argument(
+        "--bursts", type=int, default=25, help="least bursts of 16 calls per variant and round"
+    )
     parser.add_argument("--workloads", default="", help="comma-separated name prefixes (a,b,...)")
     parser.add_argument("--variants", default="", help="comma-separated variants (default all)")
     parser.add_argument("--no-compile", action="store_true", help="leave out torch.compile")

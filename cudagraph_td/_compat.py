@@ -30,9 +30,9 @@ interaction_type: Callable[[], Any] = getattr(_holder, "get_mode", probabilistic
 def graph_replay(graph: Any) -> Callable[[], None]:
     """``graph.replay``, without the Python frame that ``torch.cuda.CUDAGraph.replay`` adds.
 
-    That frame only checks an input-liveness tracker, which ``capture_begin(
-    check_input_liveness=True)`` turns on and the library never does: the replay path calls
-    the C++ method of ``torch._C._CUDAGraph`` directly. Any other graph (the emulation's, a
+    That frame only checks an input-liveness tracker (torch 2.13), which ``capture_begin(
+    check_input_liveness=True)`` turns on and the library never does, or does nothing more
+    (torch 2.11): the replay path calls the C++ method of ``torch._C._CUDAGraph`` directly. Any other graph (the emulation's, a
     graph with a tracker) replays through its own ``replay``.
     """
     if isinstance(graph, torch.cuda.CUDAGraph) and getattr(graph, "_tracker", None) is None:

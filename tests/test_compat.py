@@ -19,10 +19,11 @@ from .conftest import requires_cuda
 
 def test_cuda_graph_replay_only_checks_the_liveness_tracker() -> None:
     # `graph_replay` calls the C++ replay and skips `CUDAGraph.replay`'s Python frame, whose
-    # only work is the liveness tracker's check. Any other name in it (a hook, a counter)
-    # would be skipped too: read the new code before accepting it here.
+    # only work is (torch 2.13) the liveness tracker's check, or (torch 2.11) nothing. Any
+    # other name in it (a hook, a counter) would be skipped too: read the new code before
+    # accepting it here.
     names = set(torch.cuda.CUDAGraph.replay.__code__.co_names)
-    assert names == {"_tracker", "check_alive", "pool", "super", "replay"}
+    assert {"super", "replay"} <= names <= {"_tracker", "check_alive", "pool", "super", "replay"}
 
 
 @requires_cuda
