@@ -109,6 +109,8 @@ class DifferentiableCall:
     """A call captured for autograd: a launch replays the forward inside an autograd node."""
 
     training_step = False
+    # A launch goes through the autograd node.
+    bare: tuple[list[torch.Tensor], torch.Tensor, Callable[[], None]] | None = None
 
     def __init__(
         self,

@@ -43,19 +43,11 @@ class GraphCall:
         self._mutated = mutated
         self._mutated_static = [signature.static_inputs[i] for i in mutated]
         self._fresh = outputs.copies.make
-
-    @staticmethod
-    def of(
-        signature: Signature,
-        graph: Graph,
-        outputs: Outputs,
-        mutated: list[int],
-        watch: _training.Watch | None,
-    ) -> GraphCall:
-        """The call of a plain graph, of the class whose ``launch`` fits it."""
-        one = len(signature.static_inputs) == 1 and len(outputs.static) == 1
-        cls = _OneTensorCall if one and not mutated and watch is None else GraphCall
-        return cls(signature, graph, outputs, mutated, watch)
+        # One tensor in and one out, nothing else to do: the replay path launches it itself.
+        one = len(self._static_inputs) == 1 and len(outputs.static) == 1
+        self.bare: tuple[list[torch.Tensor], torch.Tensor, Callable[[], None]] | None = None
+        if one and not mutated and watch is None:
+            self.bare = (self._static_inputs, outputs.static[0], self._replay)
 
     def launch(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """Copy ``tensors`` (checked) into the static inputs, replay, return fresh outputs."""
@@ -67,15 +59,6 @@ class GraphCall:
         if self._mutated:  # in-place updates of inputs reach the caller, as in eager
             foreach_copy_([tensors[i] for i in self._mutated], self._mutated_static)
         return self._fresh()
-
-
-class _OneTensorCall(GraphCall):
-    """The commonest graph: one tensor in, one out, nothing else to do (see `GraphCall.of`)."""
-
-    def launch(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
-        foreach_copy_(self._static_inputs, tensors)  # type: ignore[arg-type]  # faster than copy_
-        self._replay()
-        return (self.outputs.static[0].clone(),)
 
 
 def capture(
@@ -127,7 +110,7 @@ def capture(
     watch = observed.watch(name)
     if watch is not None and backend.reruns_python:
         graph = _training.PinnedGrads(graph, watch)
-    return GraphCall.of(signature, graph, outputs, mutated, watch), result
+    return GraphCall(signature, graph, outputs, mutated, watch), result
 
 
 def _path_requiring_grad(tree: Any) -> str | None:
