@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from . import _errors, _tree
-from ._compat import clear_cublas_workspaces, distributions_validate_args
+from ._compat import clear_cublas_workspaces, distributions_validate_args, foreach_copy_
 
 T = TypeVar("T")
 
@@ -216,4 +216,4 @@ class _EmulatedGraph:
             raise _errors.emulated_branch_changed()
         if new:
             with torch.no_grad():
-                torch._foreach_copy_(self._static, [t.detach() for t in new])
+                foreach_copy_(self._static, [t.detach() for t in new])

@@ -7,6 +7,7 @@ library bypasses, grows code). Checked with torch 2.11 and 2.13, tensordict 0.15
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,10 @@ from tensordict.nn import probabilistic
 # `torch._foreach_copy_(dst, src)`: one multi-tensor copy, issued faster than a `copy_` per
 # tensor, even for one tensor. The replay's input copy and the packed outputs use it.
 foreach_copy_ = torch._foreach_copy_
+
+# A tensor's version counter (`Tensor._version`), which every in-place operation moves: how
+# a capture tells the inputs and parameters that the function wrote.
+version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
 
 # `Tensor.as_strided`, unbound: a view at a given offset, the cheapest view to make.
 as_strided = torch.Tensor.as_strided
@@ -59,33 +64,22 @@ def distributions_validate_args() -> bool:
     return bool(torch.distributions.Distribution._validate_args)
 
 
-def td_entries(td: TensorDict) -> dict[str, Any]:
-    """The entries of a ``TensorDict`` by key, as it stores them (nested TensorDicts as such).
+# The entries of a `TensorDict` by key, as it stores them (nested TensorDicts as such):
+# `TensorDict._tensordict`, which avoids a copy of the dict per call. The replay path reads
+# it at every call: a C accessor, without a Python frame.
+td_entries: Callable[[TensorDict], dict[str, Any]] = operator.attrgetter("_tensordict")
 
-    ``TensorDict._tensordict``: reading it avoids a copy of the dict per call.
-    """
-    return td._tensordict
+# Whether a TensorDict has dimension names, without building them (`_has_names()`).
+td_has_names: Callable[[Any], bool] = operator.methodcaller("_has_names")
+
+# `TensorDictBase._new_unsafe` of a class: a tensor collection around entries, without
+# the public constructor's checks (the entries come from a TensorDict of this layout).
+td_new_unsafe: Callable[[type], Callable[..., Any]] = operator.attrgetter("_new_unsafe")
 
 
 def td_get(td: Any, key: Any) -> Any:
     """The entry of a TensorDict at a string key, ``NonTensorData`` still wrapped (``_get_str``)."""
     return td._get_str(key, None)
-
-
-def td_has_names(td: Any) -> bool:
-    """Whether a TensorDict has dimension names (``_has_names``, which does not build them)."""
-    return bool(td._has_names())
-
-
-def td_new(cls: type, entries: dict[str, Any], batch_size: Any, device: Any, names: Any) -> Any:
-    """A tensor collection of type ``cls`` around ``entries``, without checking them.
-
-    ``TensorDictBase._new_unsafe``: the entries come from a TensorDict of this layout, so the
-    checks of the public constructor (shapes against the batch size) would only cost time.
-    """
-    return cls._new_unsafe(  # type: ignore[attr-defined]
-        source=entries, batch_size=batch_size, device=device, names=names
-    )
 
 
 def tensorclass_parts(tc: Any) -> tuple[Any, dict[str, Any]]:
@@ -96,3 +90,16 @@ def tensorclass_parts(tc: Any) -> tuple[Any, dict[str, Any]]:
 def tensorclass_new(cls: type, td: TensorDict, others: dict[str, Any]) -> Any:
     """A tensorclass instance from its TensorDict and other fields (``_from_tensordict``)."""
     return cls._from_tensordict(td, non_tensordict=others)  # type: ignore[attr-defined]
+
+
+_HOOK_KINDS = ("forward pre", "forward", "backward pre", "backward")
+
+
+def module_hooks(module: torch.nn.Module) -> list[str]:
+    """The kinds of hooks registered on ``module`` itself ("forward pre", "forward", ...).
+
+    ``nn.Module._forward_pre_hooks`` and the like: no public API lists them.
+    """
+    return [
+        kind for kind in _HOOK_KINDS if getattr(module, f"_{kind.replace(' ', '_')}_hooks", None)
+    ]

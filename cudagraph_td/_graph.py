@@ -16,7 +16,7 @@ import torch
 from . import _errors, _replay, _training, _tree
 from ._autograd import capture_differentiable
 from ._backend import Backend, Graph
-from ._compat import foreach_copy_, graph_replay
+from ._compat import foreach_copy_, graph_replay, version
 from ._outputs import Outputs
 from ._signature import Signature, validate
 
@@ -78,7 +78,7 @@ def capture(
     signature = Signature(name, args, kwargs, backend.device, allow_grad=grad)
     inputs = signature.read(args, kwargs)
     assert inputs is not None
-    versions = [t._version for t in inputs]
+    versions = [version(t) for t in inputs]
     observed = _training.Observation(fn)
     try:
         result = backend.warmup(lambda: fn(*args, **kwargs))
@@ -88,7 +88,7 @@ def capture(
         raise _errors.step_output_requires_grad(name, path)
     # The function wrote into these inputs (their version counters moved): each replay
     # copies them back to the caller's tensors.
-    mutated = [i for i, (t, v) in enumerate(zip(inputs, versions, strict=True)) if t._version != v]
+    mutated = [i for i, (t, v) in enumerate(zip(inputs, versions, strict=True)) if version(t) != v]
     if grad and _path_requiring_grad(result):
         call = capture_differentiable(name, fn, signature, backend, result, inputs, mutated)
         return call, result

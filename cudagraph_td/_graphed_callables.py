@@ -10,6 +10,7 @@ import torch
 from . import _replay
 from ._autograd import Capture, DifferentiableCall
 from ._backend import check_options, make_backend
+from ._compat import module_hooks
 from ._replay import MISS
 from ._signature import Signature
 
@@ -162,20 +163,14 @@ def _check_arguments(
 
 def _check_module(module: torch.nn.Module) -> None:
     for name, sub in module.named_modules():
-        for kind in (
-            "_forward_pre_hooks",
-            "_forward_hooks",
-            "_backward_pre_hooks",
-            "_backward_hooks",
-        ):
-            if getattr(sub, kind, None):
-                where = f"its submodule `{name}`" if name else "it"
-                raise ValueError(
-                    f"make_graphed_callables({type(module).__name__}): {where} has "
-                    f"{kind.strip('_').replace('_', ' ')} registered. Hooks cannot run inside a "
-                    "graph: register them after make_graphed_callables (they then run around the "
-                    "graphed forward), or remove them."
-                )
+        for kind in module_hooks(sub):
+            where = f"its submodule `{name}`" if name else "it"
+            raise ValueError(
+                f"make_graphed_callables({type(module).__name__}): {where} has "
+                f"{kind} hooks registered. Hooks cannot run inside a "
+                "graph: register them after make_graphed_callables (they then run around the "
+                "graphed forward), or remove them."
+            )
     for name, buffer in module.named_buffers():
         if buffer.requires_grad:
             raise ValueError(

@@ -35,8 +35,8 @@ from typing import Any, Protocol
 import torch
 from tensordict import TensorDict
 
-from . import _compat, _tree
-from ._compat import foreach_copy_
+from . import _tree
+from ._compat import foreach_copy_, td_entries, td_has_names
 from ._outputs import Outputs
 from ._signature import Signature, metadata
 
@@ -144,10 +144,8 @@ class TensorDictEntries:
         if kwargs or len(args) != 1 or type(args[0]) is not TensorDict:
             return None
         td = args[0]
-        entries = _compat.td_entries(td)
-        if _compat.td_has_names(td) or not all(
-            isinstance(v, torch.Tensor) for v in entries.values()
-        ):
+        entries = td_entries(td)
+        if td_has_names(td) or not all(isinstance(v, torch.Tensor) for v in entries.values()):
             return None
         keys = sorted(entries)  # the flattening order (see `_tree`)
         return cls(keys, td.batch_size, exact=True, device=td.device)
@@ -158,9 +156,9 @@ class TensorDictEntries:
         td = args[0]
         if type(td) is not TensorDict or td.batch_size != self.batch_size:
             return None
-        entries = _compat.td_entries(td)
+        entries = td_entries(td)
         if self.exact and (
-            len(entries) != len(self.keys) or td.device != self.device or _compat.td_has_names(td)
+            len(entries) != len(self.keys) or td.device != self.device or td_has_names(td)
         ):
             return None
         try:
@@ -195,6 +193,9 @@ def reader_for(signature: Signature) -> Reader:
 
 
 class Writer(Protocol):
+    # Whether the result is the first output tensor itself: the replay returns it, no call.
+    returns_first: bool
+
     def write(self, args: Args, fresh: Sequence[torch.Tensor]) -> Any:
         """The call's result, from its arguments and the output tensors in fresh memory."""
         ...
@@ -202,6 +203,8 @@ class Writer(Protocol):
 
 class Tree:
     """The result in the structure the function returned."""
+
+    returns_first = False
 
     def __init__(self, outputs: Outputs):
         self.rebuild = outputs.rebuild
@@ -218,12 +221,16 @@ class Tree:
 class OneTensor:
     """The commonest result: one tensor, without a tree to rebuild."""
 
+    returns_first = True
+
     def write(self, args: Args, fresh: Sequence[torch.Tensor]) -> Any:
         return fresh[0]
 
 
 class IntoTensorDict:
     """The caller's TensorDict (the call's one argument), with ``keys`` set to the outputs."""
+
+    returns_first = False
 
     def __init__(self, keys: Sequence[Any]):
         self.keys = [key[0] if isinstance(key, tuple) and len(key) == 1 else key for key in keys]
@@ -246,6 +253,7 @@ class OutKeyValues:
     def __init__(self, indices: Sequence[int]):
         self.indices = list(indices)
         self.single = self.indices[0] if len(self.indices) == 1 else None
+        self.returns_first = self.single == 0
 
     def write(self, args: Args, fresh: Sequence[torch.Tensor]) -> Any:
         if self.single is not None:
@@ -275,8 +283,8 @@ def replay_function(captured: Captured, routes: Sequence[Route]) -> ReplayFuncti
     by_position: tuple[Read, Write | None] = (_miss, None)
     by_keywords = by_position
     for reader, writer in routes:
-        # The one-tensor writer needs no call: the replay returns the tensor itself.
-        route = (reader.read, None if isinstance(writer, OneTensor) else writer.write)
+        # A result that is the first output itself needs no call: the replay returns it.
+        route = (reader.read, None if writer.returns_first else writer.write)
         if reader.keywords is not True:
             by_position = route
         if reader.keywords is not False:

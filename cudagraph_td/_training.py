@@ -26,6 +26,7 @@ from tensordict import is_tensor_collection
 from torch import nn
 
 from . import _errors
+from ._compat import version
 
 # How far the search for optimizers and modules follows references, and how many objects
 # it looks at: enough for agents that hold their networks and optimizers as attributes,
@@ -185,7 +186,7 @@ def _state(p: torch.Tensor) -> tuple[int, torch.Tensor | None, int]:
     freed one's address, and so its ``id``.
     """
     grad = p.grad
-    return p._version, grad, -1 if grad is None else grad._version
+    return version(p), grad, -1 if grad is None else version(grad)
 
 
 def _moved(p: torch.Tensor, before: tuple[int, torch.Tensor | None, int]) -> bool:

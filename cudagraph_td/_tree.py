@@ -51,8 +51,12 @@ def _flatten_tensordict(td: TensorDictBase) -> tuple[list[Any], _TensorDictMeta,
 
 
 def _unflatten_tensordict(cls: type, meta: _TensorDictMeta, children: Any) -> TensorDictBase:
-    entries = dict(zip(meta.keys, children, strict=True))
-    return _compat.td_new(cls, entries, meta.batch_size, meta.device, meta.names)  # type: ignore[no-any-return]
+    return _compat.td_new_unsafe(cls)(  # type: ignore[no-any-return]
+        source=dict(zip(meta.keys, children, strict=True)),
+        batch_size=meta.batch_size,
+        device=meta.device,
+        names=meta.names,
+    )
 
 
 def _flatten_lazy_stack(td: LazyStackedTensorDict) -> tuple[list[Any], tuple[int, type], None]:
@@ -84,8 +88,11 @@ def _flatten_tensorclass(tc: Any) -> tuple[list[Any], _TensorClassMeta, tuple[st
 def _unflatten_tensorclass(cls: type, meta: _TensorClassMeta, children: Any) -> Any:
     children = list(children)
     n = len(meta.tensor_keys)
-    entries = dict(zip(meta.tensor_keys, children[:n], strict=True))
-    source = _compat.td_new(TensorDict, entries, meta.batch_size, meta.device, None)
+    source = _compat.td_new_unsafe(TensorDict)(
+        source=dict(zip(meta.tensor_keys, children[:n], strict=True)),
+        batch_size=meta.batch_size,
+        device=meta.device,
+    )
     others = dict(zip(meta.other_keys, children[n:], strict=True))
     return _compat.tensorclass_new(cls, source, others)
 

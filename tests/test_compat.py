@@ -100,7 +100,9 @@ def test_tensordict_names_and_unchecked_construction() -> None:
     assert not _compat.td_has_names(td)
     named = td.clone().refine_names("batch")
     assert _compat.td_has_names(named)
-    rebuilt = _compat.td_new(TensorDict, {"a": td["a"]}, td.batch_size, td.device, ("batch",))
+    rebuilt = _compat.td_new_unsafe(TensorDict)(
+        source={"a": td["a"]}, batch_size=td.batch_size, device=td.device, names=("batch",)
+    )
     assert type(rebuilt) is TensorDict and rebuilt.names == ["batch"]
     assert rebuilt["a"] is td["a"] and rebuilt.batch_size == td.batch_size
 
@@ -128,3 +130,21 @@ def test_foreach_copy_and_as_strided() -> None:
     assert dst[0].tolist() == [0.0, 1.0, 2.0]
     flat = torch.arange(6.0)
     assert _compat.as_strided(flat, (2, 2), (1, 2), 1).tolist() == [[1.0, 3.0], [2.0, 4.0]]
+
+
+def test_version_counts_in_place_writes() -> None:
+    t = torch.zeros(3)
+    before = _compat.version(t)
+    t.add_(1)
+    assert _compat.version(t) > before
+    _ = t + 1  # an out-of-place op leaves it
+    assert _compat.version(t) == before + 1
+
+
+def test_module_hooks_lists_the_registered_kinds() -> None:
+    net = torch.nn.Linear(2, 2)
+    assert _compat.module_hooks(net) == []
+    net.register_forward_pre_hook(lambda module, args: None)
+    net.register_forward_hook(lambda module, args, out: None)
+    net.register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    assert _compat.module_hooks(net) == ["forward pre", "forward", "backward"]
