@@ -292,6 +292,10 @@ def replay_function(captured: Captured, routes: Sequence[Route]) -> ReplayFuncti
     expected = captured.signature.expected
     # One tensor in: its metadata compared without a list of one element.
     one = expected[0] if len(expected) == 1 else None
+    if one is not None and captured.bare is not None:
+        unrolled = _one_tensor_replay(routes, one, captured.bare)
+        if unrolled is not None:
+            return unrolled
     # A plain graph with one tensor in and one out: its launch done here, without a call.
     static_inputs, static_output, bare_replay = captured.bare or (None, None, None)
     launch = captured.launch
@@ -321,3 +325,70 @@ def replay_function(captured: Captured, routes: Sequence[Route]) -> ReplayFuncti
 def _miss(args: Args, kwargs: Kwargs) -> None:
     """The reader of a call kind that no route reads."""
     return None
+
+
+def _one_tensor_replay(
+    routes: Sequence[Route],
+    expected: Any,
+    bare: tuple[list[torch.Tensor], torch.Tensor, Callable[[], None]],
+) -> ReplayFunction | None:
+    """``replay_function``'s steps for one tensor in and one out on a bare graph, with the
+    common one-tensor readers and writers unrolled from their data, or None if a route has
+    another reader or writer.
+
+    The commonest calls (a network on a batch, a policy on a TensorDict or a keyword
+    tensor) are replayed by this one function, without a call per step: on the hosts
+    measured, a Python call costs 0.15-0.3 us, 1% of the whole replay each.
+    """
+    position: Any = None  # "args": the tensor is the argument; else a TensorDict reader
+    name = out_key = None
+    for reader, writer in routes:
+        if isinstance(reader, Keywords) and len(reader.names) == 1 and writer.returns_first:
+            (name,) = reader.names
+        elif isinstance(reader, Positional) and reader.count == 1 and writer.returns_first:
+            position = "args"
+        elif (
+            isinstance(reader, TensorDictEntries)
+            and reader.flat
+            and not reader.exact
+            and len(reader.keys) == 1
+            and isinstance(writer, IntoTensorDict)
+            and writer.key is not None
+        ):
+            position, out_key = reader, writer.key
+        else:
+            return None
+    entries = position if isinstance(position, TensorDictEntries) else None
+    key, batch_size = (entries.keys[0], entries.batch_size) if entries else (None, None)
+    static_inputs, static_output, bare_replay = bare
+
+    def replay(args: Args, kwargs: Kwargs) -> Any:
+        td = None
+        if kwargs:  # Keywords
+            if args or name is None or len(kwargs) != 1:
+                return MISS
+            t = kwargs.get(name)
+        elif len(args) != 1 or position is None:
+            return MISS
+        elif key is None:  # Positional
+            t = args[0]
+        else:  # TensorDictEntries: the module's in_key
+            td = args[0]
+            if type(td) is not TensorDict or td.batch_size != batch_size:
+                return MISS
+            t = td_entries(td).get(key)
+        try:  # the metadata check (a missing entry, None, fails it too)
+            same = metadata(t) == expected
+        except Exception:
+            same = False
+        if not same:
+            return MISS
+        foreach_copy_(static_inputs, [t])  # type: ignore[list-item]  # faster than copy_
+        bare_replay()
+        out = static_output.clone()
+        if td is None:  # the tensor itself
+            return out
+        td[out_key] = out  # IntoTensorDict; [] = writes faster than set()
+        return td
+
+    return replay
