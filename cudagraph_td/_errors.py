@@ -67,8 +67,8 @@ def shape_mismatch(
         f"{tuple(received)}. A CUDA graph replays fixed shapes: pass an input of the captured "
         f"shape, use one {name} per shape, {_RESET_HINT}.",
         path,
-        captured,
-        received,
+        tuple(captured),
+        tuple(received),
     )
 
 
@@ -78,8 +78,8 @@ def batch_size_mismatch(name: str, path: str, captured: Any, received: Any) -> I
         f"size {list(received)}. A CUDA graph replays fixed shapes: pass a TensorDict of the "
         f"captured batch size, use one {name} per batch size, {_RESET_HINT}.",
         path,
-        captured,
-        received,
+        tuple(captured),
+        tuple(received),
     )
 
 
