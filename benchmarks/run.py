@@ -38,6 +38,7 @@ import importlib
 import json
 import pathlib
 import platform
+import random
 import statistics
 import sys
 import time
@@ -83,14 +84,16 @@ def time_cpu(calls: dict[str, Callable[[], Any]], bursts: int, burst: int = 16) 
     the Python code and the launches, which is what a wrapper adds. Where the GPU work of a
     call takes longer than that, wall time is the GPU's and hides it.
 
-    The variants' bursts are interleaved (one burst of each in turn, ``bursts`` times), so
-    that every variant is timed in the same state of the machine: on a shared host, the
-    cost of the same call drifts by tens of percent within a second.
+    The variants' bursts are interleaved (one burst of each, in a new random order, ``bursts``
+    times), so that every variant is timed in the same state of the machine: on a shared
+    host, the cost of the same call drifts by tens of percent within a second.
     """
     per_burst: dict[str, list[float]] = {name: [] for name in calls}
     names = list(calls)
-    for b in range(bursts):
-        for name in names[b % len(names) :] + names[: b % len(names)]:
+    order = random.Random(0)  # a new order at each burst: no variant always follows another
+    for _ in range(bursts):
+        order.shuffle(names)
+        for name in names:
             call = calls[name]
             sync()
             start = time.perf_counter()
