@@ -76,7 +76,6 @@ class Outputs:
     def __init__(self, name: str, out: Any, device: torch.device, *, allow_grad: bool = False):
         leaves, self.spec = _tree.flatten(out)
         paths = _tree.leaf_paths(out, root="output")
-        self.paths = [paths[i] for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         self.tensor_index = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         static = [leaves[i] for i in self.tensor_index]
         for i, t in zip(self.tensor_index, static, strict=True):

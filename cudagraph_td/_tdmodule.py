@@ -155,7 +155,8 @@ class TensorDictLayer:
         in_paths = _tensor_keys(selected)
         out_paths = _tensor_keys(result[1])
         # Read by key, the in_keys must be the graph's inputs: each one a tensor.
-        if in_paths is None or out_paths is None or set(in_paths) != set(self.in_keys_tuples):
+        in_keys = {_key_tuple(key) for key in self.in_keys}
+        if in_paths is None or out_paths is None or set(in_paths) != in_keys:
             return []
         routes: list[Route] = [
             (TensorDictEntries(in_paths, selected.batch_size), IntoTensorDict(out_paths))
@@ -167,10 +168,6 @@ class TensorDictLayer:
             indices = [out_paths.index(key) for key in returned]
             routes.append((Keywords(names), OutKeyValues(indices)))
         return routes
-
-    @property
-    def in_keys_tuples(self) -> list[tuple[str, ...]]:
-        return [_key_tuple(key) for key in self.in_keys]
 
 
 _RUNNER = "_cudagraph_td_runner"
