@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from ._capture_causes import CAPTURE_CAUSES
+
 _RESET_HINT = "or call `reset()` to capture the graph again for the new inputs"
 
 
@@ -200,52 +202,11 @@ def missing_in_keys(name: str, missing: list[Any]) -> InputKeyError:
     )
 
 
-# What a CUDA error raised during capture usually means, by a phrase of its message.
-_CAPTURE_CAUSES = (
-    (
-        (
-            "operation not permitted when stream is capturing",
-            "cudaErrorStreamCaptureUnsupported",
-            "Cannot copy between CPU and CUDA tensors during CUDA graph capture",
-        ),
-        "the function synchronises the host with the GPU, which a graph cannot capture: "
-        "`.item()`, `.tolist()`, `.cpu()`, `print()` of a CUDA tensor, `bool()` or an `if` on a "
-        "CUDA tensor, `torch.cuda.synchronize()`, boolean-mask indexing or `nonzero()`, or "
-        "a copy between CUDA and pageable CPU memory (`torch.tensor([...], device='cuda')`, "
-        "`.to('cpu')`), a `torch.distributions` object built with `validate_args=True`. "
-        "Move such code out of the function, or use tensor ops (`torch.where`) instead.",
-    ),
-    (
-        ("cudaErrorStreamCaptureImplicit", "legacy stream", "capturing blocking stream"),
-        "the function uses the default (legacy) stream or another stream that is not "
-        "ordered after the capture stream; often an operation between devices. Keep the "
-        "function's work on the current stream.",
-    ),
-    (
-        ("capturable is False", "capturable=False"),
-        "an optimizer steps inside the capture without `capturable=True`: build it with "
-        "`capturable=True` (Adam, AdamW and others), so that its step counts stay on the "
-        "GPU and its update is recorded.",
-    ),
-    (
-        ("backward through the graph a second time",),
-        "the function ran a backward and returned a tensor of that graph that still "
-        "requires grad (a loss without `.detach()`?): return `loss.detach()` from a function "
-        "that runs its own `backward()`.",
-    ),
-    (
-        ("cudaErrorStreamCaptureInvalidated", "capture was invalidated"),
-        "an earlier operation of the function broke the capture, often a host "
-        "synchronisation (`.item()`, `print()` of a CUDA tensor) or work on another stream.",
-    ),
-)
-
-
 def capture_failure(name: str, stage: str, err: BaseException) -> RuntimeError:
     """The error raised when the function fails while a graph is warmed up or captured."""
     text = str(err)
     cause = next(
-        (hint for phrases, hint in _CAPTURE_CAUSES if any(p in text for p in phrases)),
+        (hint for phrases, hint in CAPTURE_CAUSES if any(p in text for p in phrases)),
         None,
     )
     if cause is None:
@@ -386,4 +347,46 @@ def verification_failed(name: str, replay: int, path: str, detail: str) -> str:
         "graph keeps as a constant: pass it as a tensor input; or random numbers, which the "
         "replay and the eager run draw differently (a function that draws them cannot be "
         "verified). Call `reset()` to capture the graph again."
+    )
+
+
+def sample_args_not_tuples(received: Any) -> TypeError:
+    return TypeError(
+        "`sample_args` must be a tuple of arguments for one callable, or a tuple of such "
+        f"tuples for a tuple of callables; got {type(received).__name__}."
+    )
+
+
+def sample_kwargs_not_dicts() -> TypeError:
+    return TypeError("`sample_kwargs` must be a dict for one callable, or a tuple of dicts.")
+
+
+def sample_counts(callables: int, args: int, kwargs: int) -> TypeError:
+    return TypeError(
+        f"{callables} callables need as many sample argument tuples; got {args} "
+        f"`sample_args` and {kwargs} `sample_kwargs`."
+    )
+
+
+def hooks_registered(module: str, where: str, kind: str) -> ValueError:
+    return ValueError(
+        f"make_graphed_callables({module}): {where} has {kind} hooks registered. Hooks cannot "
+        "run inside a graph: register them after make_graphed_callables (they then run around "
+        "the graphed forward), or remove them."
+    )
+
+
+def buffer_requires_grad(module: str, buffer: str) -> ValueError:
+    return ValueError(
+        f"make_graphed_callables({module}): the buffer `{buffer}` requires grad. Only "
+        "parameters may be trainable: make it an `nn.Parameter`, or call "
+        "`requires_grad_(False)` on it."
+    )
+
+
+def autocast_cache() -> RuntimeError:
+    return RuntimeError(
+        "make_graphed_callables cannot capture under autocast with its cache enabled: the "
+        "cache would keep casts made during the capture. Use "
+        "`torch.autocast(..., cache_enabled=False)`."
     )

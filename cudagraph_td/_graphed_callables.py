@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import torch
 
-from . import _replay
+from . import _errors, _replay
 from ._autograd import Capture, DifferentiableCall
 from ._backend import check_options, make_backend
 from ._compat import module_hooks
@@ -109,11 +109,7 @@ def make_graphed_callables(
         backend, None, pool, capture_error_mode, (sample_args, sample_kwargs)
     )
     if torch.is_autocast_enabled(graph_backend.device.type) and torch.is_autocast_cache_enabled():
-        raise RuntimeError(
-            "make_graphed_callables cannot capture under autocast with its cache enabled: the "
-            "cache would keep casts made during the capture. Use "
-            "`torch.autocast(..., cache_enabled=False)`."
-        )
+        raise _errors.autocast_cache()
     captures = []
     for fn, args, kwargs in zip(callables, sample_args, sample_kwargs, strict=True):
         name = f"make_graphed_callables({_describe(fn)})"
@@ -144,17 +140,11 @@ def _check_arguments(
     backend: str,
 ) -> None:
     if not isinstance(sample_args, tuple) or not all(isinstance(a, tuple) for a in sample_args):
-        raise TypeError(
-            "`sample_args` must be a tuple of arguments for one callable, or a tuple of such "
-            f"tuples for a tuple of callables; got {type(sample_args).__name__}."
-        )
+        raise _errors.sample_args_not_tuples(sample_args)
     if not isinstance(sample_kwargs, tuple) or not all(isinstance(k, dict) for k in sample_kwargs):
-        raise TypeError("`sample_kwargs` must be a dict for one callable, or a tuple of dicts.")
+        raise _errors.sample_kwargs_not_dicts()
     if not len(callables) == len(sample_args) == len(sample_kwargs):
-        raise TypeError(
-            f"{len(callables)} callables need as many sample argument tuples; got "
-            f"{len(sample_args)} `sample_args` and {len(sample_kwargs)} `sample_kwargs`."
-        )
+        raise _errors.sample_counts(len(callables), len(sample_args), len(sample_kwargs))
     check_options(backend, capture_error_mode)
     for fn in callables:
         if isinstance(fn, torch.nn.Module):
@@ -165,19 +155,10 @@ def _check_module(module: torch.nn.Module) -> None:
     for name, sub in module.named_modules():
         for kind in module_hooks(sub):
             where = f"its submodule `{name}`" if name else "it"
-            raise ValueError(
-                f"make_graphed_callables({type(module).__name__}): {where} has "
-                f"{kind} hooks registered. Hooks cannot run inside a "
-                "graph: register them after make_graphed_callables (they then run around the "
-                "graphed forward), or remove them."
-            )
+            raise _errors.hooks_registered(type(module).__name__, where, kind)
     for name, buffer in module.named_buffers():
         if buffer.requires_grad:
-            raise ValueError(
-                f"make_graphed_callables({type(module).__name__}): the buffer `{name}` requires "
-                "grad. Only parameters may be trainable: make it an `nn.Parameter`, or call "
-                "`requires_grad_(False)` on it."
-            )
+            raise _errors.buffer_requires_grad(type(module).__name__, name)
 
 
 def _graphed(fn: Any, call: DifferentiableCall) -> Any:

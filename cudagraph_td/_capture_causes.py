@@ -1,0 +1,44 @@
+"""What a CUDA error raised during a capture usually means, by a phrase of its message.
+
+The hints that `_errors.capture_failure` adds to a failed capture's error: the words that
+turn a driver's error code into the line of the user's function to change.
+"""
+
+CAPTURE_CAUSES = (
+    (
+        (
+            "operation not permitted when stream is capturing",
+            "cudaErrorStreamCaptureUnsupported",
+            "Cannot copy between CPU and CUDA tensors during CUDA graph capture",
+        ),
+        "the function synchronises the host with the GPU, which a graph cannot capture: "
+        "`.item()`, `.tolist()`, `.cpu()`, `print()` of a CUDA tensor, `bool()` or an `if` on a "
+        "CUDA tensor, `torch.cuda.synchronize()`, boolean-mask indexing or `nonzero()`, or "
+        "a copy between CUDA and pageable CPU memory (`torch.tensor([...], device='cuda')`, "
+        "`.to('cpu')`), a `torch.distributions` object built with `validate_args=True`. "
+        "Move such code out of the function, or use tensor ops (`torch.where`) instead.",
+    ),
+    (
+        ("cudaErrorStreamCaptureImplicit", "legacy stream", "capturing blocking stream"),
+        "the function uses the default (legacy) stream or another stream that is not "
+        "ordered after the capture stream; often an operation between devices. Keep the "
+        "function's work on the current stream.",
+    ),
+    (
+        ("capturable is False", "capturable=False"),
+        "an optimizer steps inside the capture without `capturable=True`: build it with "
+        "`capturable=True` (Adam, AdamW and others), so that its step counts stay on the "
+        "GPU and its update is recorded.",
+    ),
+    (
+        ("backward through the graph a second time",),
+        "the function ran a backward and returned a tensor of that graph that still "
+        "requires grad (a loss without `.detach()`?): return `loss.detach()` from a function "
+        "that runs its own `backward()`.",
+    ),
+    (
+        ("cudaErrorStreamCaptureInvalidated", "capture was invalidated"),
+        "an earlier operation of the function broke the capture, often a host "
+        "synchronisation (`.item()`, `print()` of a CUDA tensor) or work on another stream.",
+    ),
+)
