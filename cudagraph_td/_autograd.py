@@ -20,6 +20,7 @@ from ._backend import Backend, Graph
 from ._compat import foreach_copy_, graph_replay
 from ._outputs import Outputs
 from ._signature import Signature
+from ._state import State
 
 
 def _leaves_requiring_grad(
@@ -120,9 +121,11 @@ class DifferentiableCall:
         params: list[torch.Tensor],
         forward: ForwardGraph,
         backward: BackwardGraph,
+        state: State | None,
     ):
         self.name = name
         self.signature = signature
+        self.state = state
         self.static_inputs = signature.static_inputs
         self.params = params
         self.outputs = forward.outputs
@@ -206,11 +209,14 @@ class Capture:
         self, grad_outputs: Sequence[torch.Tensor] | None = None
     ) -> tuple[torch.Tensor | None, ...]:
         outputs = _differentiable_leaves(self._latest)
+        surface = self.surface
+        if not outputs or not surface:  # nothing to differentiate: an empty backward
+            return (None,) * len(surface)
         if grad_outputs is None:
             grad_outputs = [torch.ones_like(o) for o in outputs]
         # retain_graph: the emulation and a user's `retain_graph=True` may run it again.
         grads = torch.autograd.grad(
-            outputs, self.surface, grad_outputs=grad_outputs, retain_graph=True, allow_unused=True
+            outputs, surface, grad_outputs=grad_outputs, retain_graph=True, allow_unused=True
         )
         return tuple(grads)
 
@@ -295,8 +301,9 @@ class Capture:
         differentiable = [i for i, r in enumerate(self.requires_grad) if r]
         self._forward = ForwardGraph(graph, outputs, differentiable, saved)
 
-    def capture_backward(self) -> DifferentiableCall:
-        """Capture the backward of the captured forward; return the complete call."""
+    def capture_backward(self, state: State | None = None) -> DifferentiableCall:
+        """Capture the backward of the captured forward; return the complete call, which
+        follows ``state`` (see `_state`)."""
         forward = self._forward
         assert forward is not None and self._params is not None
         static_outputs = forward.outputs.static
@@ -321,7 +328,7 @@ class Capture:
         slots += [len(self.grad_inputs) + k for k in range(len(self._params))]
         backward = BackwardGraph(graph, grad_outputs, tuple(grads), slots)
         self.call = DifferentiableCall(
-            self.name, self.signature, self.mutated, self._params, forward, backward
+            self.name, self.signature, self.mutated, self._params, forward, backward, state
         )
         self._forward = None
         return self.call
@@ -335,9 +342,11 @@ def capture_differentiable(
     example: Any,
     inputs: list[torch.Tensor],
     mutated: list[int],
+    state: Callable[[], State | None],
 ) -> DifferentiableCall:
-    """Capture ``fn`` for autograd, from ``example``, its eager result on ``inputs``."""
+    """Capture ``fn`` for autograd, from ``example``, its eager result on ``inputs``; the
+    call follows the ``state()`` found once the forward is captured."""
     capture = Capture(name, fn, signature, backend, mutated, allow_unused_input=True)
     capture.warmup_backward(example, inputs)
     capture.capture_forward()
-    return capture.capture_backward()
+    return capture.capture_backward(state())

@@ -1,8 +1,9 @@
 """The errors a user can meet, and the words that explain them.
 
 Every user error names the offending leaf by its path, shows what was captured and what was
-received, and says how to fix it. Every message is built here, so that the wording stays
-consistent across the library; ``docs/sharp-edges.md`` lists them by case.
+received, and says how to fix it. Every message is built here, or, for the state around a
+graph (parameters, optimizers, training steps), in ``_errors_state``, so that the wording
+stays consistent across the library; ``docs/sharp-edges.md`` lists them by case.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from ._capture_causes import CAPTURE_CAUSES
 
-_RESET_HINT = "or call `reset()` to capture the graph again for the new inputs"
+RESET_HINT = "or call `reset()` to capture the graph again for the new inputs"
 
 
 class InputMismatchError(ValueError):
@@ -67,7 +68,7 @@ def shape_mismatch(
     return InputMismatchError(
         f"{name} was captured with {path} of shape {tuple(captured)}, but received shape "
         f"{tuple(received)}. A CUDA graph replays fixed shapes: pass an input of the captured "
-        f"shape, use one {name} per shape, {_RESET_HINT}.",
+        f"shape, use one {name} per shape, {RESET_HINT}.",
         path,
         tuple(captured),
         tuple(received),
@@ -78,7 +79,7 @@ def batch_size_mismatch(name: str, path: str, captured: Any, received: Any) -> I
     return InputMismatchError(
         f"{name} was captured with {path} of batch size {list(captured)}, but received batch "
         f"size {list(received)}. A CUDA graph replays fixed shapes: pass a TensorDict of the "
-        f"captured batch size, use one {name} per batch size, {_RESET_HINT}.",
+        f"captured batch size, use one {name} per batch size, {RESET_HINT}.",
         path,
         tuple(captured),
         tuple(received),
@@ -88,7 +89,7 @@ def batch_size_mismatch(name: str, path: str, captured: Any, received: Any) -> I
 def dtype_mismatch(name: str, path: str, captured: Any, received: Any) -> InputMismatchError:
     return InputMismatchError(
         f"{name} was captured with {path} of dtype {captured}, but received dtype {received}. "
-        f"The replay does not cast inputs: convert it with `.to({captured})`, {_RESET_HINT}.",
+        f"The replay does not cast inputs: convert it with `.to({captured})`, {RESET_HINT}.",
         path,
         captured,
         received,
@@ -147,7 +148,7 @@ def constant_mismatch(name: str, path: str, captured: Any, received: Any) -> Inp
     return InputMismatchError(
         f"{name} was captured with the non-tensor argument {path} = {_short(captured)}, but "
         f"received {_short(received)}. The graph replays the captured value: pass values "
-        f"that change between calls as tensors, use one {name} per value, {_RESET_HINT}.",
+        f"that change between calls as tensors, use one {name} per value, {RESET_HINT}.",
         path,
         captured,
         received,
@@ -158,7 +159,7 @@ def leaf_kind_mismatch(name: str, path: str, captured: Any, received: Any) -> In
     return InputMismatchError(
         f"{name} was captured with {path} of type {type(captured).__name__}, but received "
         f"type {type(received).__name__}. Pass the same kind of argument as at capture, "
-        f"{_RESET_HINT}.",
+        f"{RESET_HINT}.",
         path,
         type(captured),
         type(received),
@@ -183,7 +184,7 @@ def structure_mismatch(
         lines.append(f"  extra: {', '.join(extra)}")
     lines.extend(f"  {line}" for line in other)
     lines.append(
-        f"A graph replays the captured call: pass the same arguments and keys, {_RESET_HINT}."
+        f"A graph replays the captured call: pass the same arguments and keys, {RESET_HINT}."
     )
     return InputMismatchError("\n".join(lines), "(args, kwargs)", missing, extra)
 
@@ -227,49 +228,6 @@ def cpu_output(name: str, path: str, device: Any) -> RuntimeError:
         f"{device}): a CUDA graph cannot recompute it at replay, so every replay would return "
         "the value of the capture. Return tensors computed on the graph's device, or build "
         "that output outside the wrapped function."
-    )
-
-
-def step_output_requires_grad(name: str, path: str) -> RuntimeError:
-    return RuntimeError(
-        f"{name} captured a training step (the function moved parameters or their "
-        f"gradients) that returns {path}, a tensor that still requires grad. The step has run "
-        "its own backward, so the wrapper does not make it differentiable: return "
-        "`loss.detach()`, or run `backward()` outside the function and let the wrapper "
-        "capture the forward alone."
-    )
-
-
-def grad_replaced(name: str, param: str, captured: Any, now: Any) -> RuntimeError:
-    def describe(grad: Any) -> str:
-        return "None" if grad is None else f"a tensor of shape {tuple(grad.shape)}"
-
-    return RuntimeError(
-        f"{name} captured a training step that uses the gradient tensor of `{param}` in "
-        f"place, but `{param}.grad` was replaced since the capture (captured: "
-        f"{describe(captured)}; now: {describe(now)}), for instance by "
-        "`zero_grad(set_to_none=True)` outside the function. A graph keeps reading and "
-        "writing the gradient tensors it recorded, so the replay would not be the step that "
-        "eager mode runs now. Keep gradients in place between calls: call "
-        "`zero_grad(set_to_none=False)` outside the function, or zero them inside it; "
-        f"{_RESET_HINT}."
-    )
-
-
-def hyperparameter_changed(
-    name: str, where: str, key: str, captured: Any, now: Any
-) -> RuntimeError:
-    tensor_hint = (
-        f"Give it as a tensor on the graph's device (`{key}=torch.tensor(...)`, with "
-        "`capturable=True`) and change it in place (`.fill_()`; learning-rate schedulers do "
-        "that for tensor learning rates), "
-        if not isinstance(captured, torch.Tensor)
-        else "Change a tensor hyperparameter in place (`.fill_()`) instead of replacing it, "
-    )
-    return RuntimeError(
-        f"{name} captured an optimizer step with {where}[{key!r}] = {_short(captured)}, which "
-        f"is now {_short(now)}. A graph replays the value it captured: the change would be "
-        f"silently ignored. {tensor_hint}{_RESET_HINT}."
     )
 
 

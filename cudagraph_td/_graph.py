@@ -8,17 +8,19 @@ is a complete captured call (`_replay.Captured`) that the replay path launches.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from . import _errors, _replay, _training, _tree
+from . import _errors, _errors_state, _replay, _training, _tree
 from ._autograd import capture_differentiable
 from ._backend import Backend, Graph
 from ._compat import foreach_copy_, graph_replay, version
 from ._outputs import Outputs
 from ._signature import Signature, validate
+from ._state import State
 
 
 class GraphCall:
@@ -31,8 +33,10 @@ class GraphCall:
         outputs: Outputs,
         mutated: list[int],
         watch: _training.Watch | None,
+        state: State | None,
     ):
         self.signature = signature
+        self.state = state
         self.graph = graph
         self.outputs = outputs
         self.training_step = watch is not None
@@ -85,12 +89,14 @@ def capture(
     except Exception as err:
         raise _errors.capture_failure(name, "run the capturing call", err) from err
     if observed.after_eager_run() and grad and (path := _path_requiring_grad(result)):
-        raise _errors.step_output_requires_grad(name, path)
+        raise _errors_state.step_output_requires_grad(name, path)
     # The function wrote into these inputs (their version counters moved): each replay
     # copies them back to the caller's tensors.
     mutated = [i for i, (t, v) in enumerate(zip(inputs, versions, strict=True)) if version(t) != v]
     if grad and _path_requiring_grad(result):
-        call = capture_differentiable(name, fn, signature, backend, result, inputs, mutated)
+        # Autograd holds the parameters it differentiates: they are followed by identity too.
+        state = functools.partial(observed.state, name, identity=True)
+        call = capture_differentiable(name, fn, signature, backend, result, inputs, mutated, state)
         return call, result
     for t, path in zip(signature.static_inputs, signature.tensor_paths(), strict=True):
         if t.requires_grad:
@@ -110,7 +116,9 @@ def capture(
     watch = observed.watch(name)
     if watch is not None and backend.reruns_python:
         graph = _training.PinnedGrads(graph, watch)
-    return GraphCall(signature, graph, outputs, mutated, watch), result
+    # A training step's optimizers hold its parameters: followed by identity too.
+    state = observed.state(name, identity=watch is not None)
+    return GraphCall(signature, graph, outputs, mutated, watch, state), result
 
 
 def _path_requiring_grad(tree: Any) -> str | None:
@@ -152,7 +160,14 @@ class GraphRunner:
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.captured is not None:
-            return _replay.call(self.captured, args, kwargs)
+            state = self.captured.state
+            if state is None or state.fresh():
+                return _replay.call(self.captured, args, kwargs)
+            # State the graph reads was replaced: a new capture, from the warm-up (a
+            # RecaptureWarning turned into an error refuses it, and the graph stays as it was).
+            state.recapture(self.name)
+            self.captured = self.replay = self.backend = None
+            self.counter = 0
         if self.make_backend is None:
             return self.fn(*args, **kwargs)
         return self._prepare(args, kwargs)

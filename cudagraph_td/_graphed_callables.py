@@ -7,12 +7,13 @@ from typing import Any, Literal
 
 import torch
 
-from . import _errors, _replay
+from . import _errors, _errors_state, _replay
 from ._autograd import Capture, DifferentiableCall
 from ._backend import check_options, make_backend
 from ._compat import module_hooks
 from ._replay import MISS
 from ._signature import Signature
+from ._training import modules_state
 
 
 def make_graphed_callables(
@@ -122,7 +123,10 @@ def make_graphed_callables(
     # One pool for all: forwards in order, backwards in reverse, as they will replay.
     for capture in captures:
         capture.capture_forward()
-    calls = [capture.capture_backward() for capture in reversed(captures)][::-1]
+    calls = [
+        capture.capture_backward(modules_state(fn))
+        for fn, capture in zip(callables[::-1], reversed(captures), strict=True)
+    ][::-1]
     graphed = tuple(_graphed(fn, call) for fn, call in zip(callables, calls, strict=True))
     return graphed[0] if single else graphed
 
@@ -166,7 +170,11 @@ def _graphed(fn: Any, call: DifferentiableCall) -> Any:
 
     def graphed(*args: Any, **kwargs: Any) -> Any:
         out = replay(args, kwargs)
-        return _replay.call(call, args, kwargs) if out is MISS else out
+        if out is not MISS:
+            return out
+        if call.state is not None and not call.state.fresh():  # no recapture here: refuse
+            raise _errors_state.replaced_after_capture(call.name, call.state.changes())
+        return _replay.call(call, args, kwargs)
 
     if not isinstance(fn, torch.nn.Module):
         return graphed

@@ -9,17 +9,18 @@ A call that replays a captured graph takes four steps, each prepared at capture:
    their structure and constants match the capture's (:class:`Flattening`).
 2. One metadata check (:data:`metadata`): every tensor's type, shape, dtype, device and
    ``requires_grad`` against the capture's.
+   The state the graph reads besides its inputs (parameters, buffers: see `_state`) is
+   checked with them.
 3. The captured call's ``launch``: the tensors copied into the static buffers, the graph
    replayed, the output tensors returned in fresh memory (through the autograd node, for a
    call captured for autograd).
-
-The replay function is one; for one tensor in and one out it skips the lists of one
-element and the calls that cost as much as the steps themselves (each Python call costs
-0.1-0.3 us on the hosts measured, against a floor of 15-30 us per call), through
-branches on what the capture decided.
 4. A *writer* gives the result its form: the captured output tree (:class:`Tree`), the
    caller's TensorDict with the written entries (:class:`IntoTensorDict`), or the out_keys'
    values (:class:`OutKeyValues`).
+
+The replay function is one, plus a variant for one tensor in and one out that skips the
+lists of one element and the calls that cost as much as the steps themselves (a Python call
+costs 0.1-0.3 us on the hosts measured, against a floor of 15-30 us per call).
 
 Every reader answers ``None`` for a call it cannot read, and a failed check is the same
 *miss*: the replay returns :data:`MISS`, and the caller takes its slow path (:func:`call`,
@@ -39,6 +40,7 @@ from . import _tree
 from ._compat import foreach_copy_, td_entries, td_has_names
 from ._outputs import Outputs
 from ._signature import Signature, metadata
+from ._state import State
 
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
@@ -47,17 +49,19 @@ ReplayFunction = Callable[[Args, Kwargs], Any]
 MISS: Any = object()
 """What a replay function returns for a call it leaves to the slow path."""
 
+# A plain graph with one tensor in and one out and nothing else to do: its static input
+# list, static output and replay, which the replay path launches itself, without a call.
+Bare = tuple[list[torch.Tensor], torch.Tensor, Callable[[], None]]
+
 
 class Captured(Protocol):
     """A captured call, built complete at capture: what every replay path needs of it."""
 
     signature: Signature  # the inputs: static buffers, the full check and its errors
     outputs: Outputs  # the outputs: their structure, and the static tensors
+    state: State | None  # the parameters, buffers, optimizers it reads (see `_state`)
     training_step: bool  # whether it updates parameters (a step cannot be verified)
-    # A plain graph with one tensor in and one out and nothing else to do: its static input
-    # list, its static output and its replay, for the replay path to launch it without a
-    # call; else None.
-    bare: tuple[list[torch.Tensor], torch.Tensor, Callable[[], None]] | None
+    bare: Bare | None
 
     def launch(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """Replay on checked input tensors; return the output tensors in fresh memory."""
@@ -130,9 +134,8 @@ class TensorDictEntries:
         exact: bool = False,
         device: torch.device | None = None,
     ):
-        # Keys that are all strings are read from the TensorDict's stored dict, faster than
-        # its `[]`.
-        self.keys = _fast_keys(keys)
+        # Keys that are all strings are read from the stored dict, faster than `td[key]`.
+        self.keys = _tree.fast_keys(keys)
         self.flat = all(isinstance(key, str) for key in self.keys)
         self.batch_size = batch_size
         self.exact = exact
@@ -167,11 +170,6 @@ class TensorDictEntries:
             return [td[key] for key in self.keys]
         except KeyError:
             return None
-
-
-def _fast_keys(keys: Sequence[Any]) -> list[Any]:
-    """TensorDict keys with single-key tuples as plain strings, the faster lookups."""
-    return [key[0] if isinstance(key, tuple) and len(key) == 1 else key for key in keys]
 
 
 class Flattening:
@@ -238,7 +236,7 @@ class IntoTensorDict:
     returns_first = False
 
     def __init__(self, keys: Sequence[Any]):
-        self.keys = _fast_keys(keys)
+        self.keys = _tree.fast_keys(keys)
         self.key = self.keys[0] if len(self.keys) == 1 else None  # one key: no loop
 
     def write(self, args: Args, fresh: Sequence[torch.Tensor]) -> Any:
@@ -297,8 +295,10 @@ def replay_function(captured: Captured, routes: Sequence[Route]) -> ReplayFuncti
     expected = captured.signature.expected
     # One tensor in: its metadata compared without a list of one element.
     one = expected[0] if len(expected) == 1 else None
+    # The state it reads (see `_state`): a replaced parameter is a miss, and a recapture.
+    state_holds = captured.state.fresh if captured.state is not None else None
     if one is not None and captured.bare is not None:
-        unrolled = _one_tensor_replay(routes, one, captured.bare)
+        unrolled = _one_tensor_replay(routes, one, captured.bare, state_holds)
         if unrolled is not None:
             return unrolled
     # A plain graph with one tensor in and one out: its launch done here, without a call.
@@ -314,7 +314,7 @@ def replay_function(captured: Captured, routes: Sequence[Route]) -> ReplayFuncti
             same = metadata(tensors[0]) == one if one else list(map(metadata, tensors)) == expected
         except Exception:  # a leaf that is not a tensor
             same = False
-        if not same:
+        if not same or (state_holds is not None and not state_holds()):
             return MISS
         if bare_replay is not None:
             foreach_copy_(static_inputs, tensors)  # type: ignore[arg-type]  # faster than copy_
@@ -335,11 +335,11 @@ def _miss(args: Args, kwargs: Kwargs) -> None:
 def _one_tensor_replay(
     routes: Sequence[Route],
     expected: Any,
-    bare: tuple[list[torch.Tensor], torch.Tensor, Callable[[], None]],
+    bare: Bare,
+    state_holds: Callable[[], bool] | None,
 ) -> ReplayFunction | None:
     """``replay_function``'s steps for one tensor in and out on a bare graph, the common
-    readers and writers unrolled from their data (None if a route has another): a Python
-    call costs 0.15-0.3 us on the hosts measured, 1% of a replay each."""
+    readers and writers unrolled from their data (None if a route has another)."""
     position: Any = None  # "args": the tensor is the argument; else a TensorDict reader
     name = out_key = None
     for reader, writer in routes:
@@ -384,7 +384,7 @@ def _one_tensor_replay(
             same = metadata(t) == expected
         except Exception:
             same = False
-        if not same:
+        if not same or (state_holds is not None and not state_holds()):
             return MISS
         # A tuple, not a list: `_foreach_copy_` takes it faster (0.2 us measured).
         foreach_copy_(static_inputs, tensors)  # type: ignore[arg-type]  # faster than copy_

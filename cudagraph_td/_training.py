@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import operator
 import types
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -25,8 +26,9 @@ import torch
 from tensordict import is_tensor_collection
 from torch import nn
 
-from . import _errors
+from . import _errors_state
 from ._compat import version
+from ._state import State, module_entries, optimizer_entries, rebound
 
 # How far the search for optimizers and modules follows references, and how many objects
 # it looks at: enough for agents that hold their networks and optimizers as attributes,
@@ -110,6 +112,13 @@ def find_state(root: Any) -> tuple[dict[str, torch.optim.Optimizer], dict[str, n
     return optimizers, modules
 
 
+def modules_state(fn: Any) -> State | None:
+    """The parameters and buffers of the modules that ``fn`` reaches, followed by address and
+    identity (see `_state`), or ``None`` if it reaches none."""
+    entries = [e for path, m in find_state(fn)[1].items() for e in module_entries(path, m)]
+    return State(entries, identity=True) if entries else None
+
+
 def _join(path: str, name: str) -> str:
     if not name or name.startswith("["):
         return path + name
@@ -128,6 +137,13 @@ class Observation:
     def __init__(self, fn: Any):
         optimizers, modules = find_state(fn)
         self.optimizers = optimizers
+        self.modules = modules
+        # Where the modules' parameters and buffers are bound, and the optimizers'
+        # hyperparameters, before the call: what the call itself rebinds is its own output.
+        self._bound = [e for path, m in modules.items() for e in module_entries(path, m)]
+        self._groups = [
+            (group, dict(group)) for opt in optimizers.values() for group in opt.param_groups
+        ]
         params: dict[int, tuple[str, torch.Tensor]] = {}
         for path, module in modules.items():
             for pname, p in module.named_parameters():
@@ -170,13 +186,45 @@ class Observation:
         """The checks that keep the captured step valid, or ``None`` if it has none."""
         if not self.touched:
             return None
+        # Hyperparameters that the step itself sets (a schedule computed inside it): each
+        # replay sets them as the capture did, whatever they were before.
+        written = {
+            (id(group), key)
+            for group, before in self._groups
+            for key, value in before.items()
+            if group.get(key) is not value
+        }
+        return Watch(name, self.touched, self._stepped(), written)
+
+    def _stepped(self) -> dict[str, torch.optim.Optimizer]:
         touched = {id(p) for _, p in self.touched}
-        stepped = {
+        return {
             path: opt
             for path, opt in self.optimizers.items()
             if any(id(p) in touched for group in opt.param_groups for p in group["params"])
         }
-        return Watch(name, self.touched, stepped)
+
+    def state(self, name: str, *, identity: bool) -> State | None:
+        """The state that the captured graph reads (see `_state`), as the capture left it, or
+        ``None`` if it reads none. A training step's includes its optimizers'."""
+        own = rebound(self._bound)
+        if own:  # the function rebinds module state at each call: a graph cannot follow
+            warnings.warn(
+                _errors_state.rebinds_state(name, [entry[0] for entry in own]),
+                UserWarning,
+                stacklevel=2,
+            )
+        skipped = {(id(entry[1]), entry[2]) for entry in own}
+        entries = [
+            entry
+            for path, module in self.modules.items()
+            for entry in module_entries(path, module)
+            if (id(entry[1]), entry[2]) not in skipped
+        ]
+        if self.touched:
+            for path, opt in self._stepped().items():
+                entries += optimizer_entries(path, opt)
+        return State(entries, identity=identity) if entries else None
 
 
 def _state(p: torch.Tensor) -> tuple[int, torch.Tensor | None, int]:
@@ -206,6 +254,7 @@ class Watch:
         name: str,
         params: list[tuple[str, torch.Tensor]],
         optimizers: dict[str, torch.optim.Optimizer],
+        written: set[tuple[int, str]] = frozenset(),  # type: ignore[assignment]
     ):
         self.name = name
         self.names = [n for n, _ in params]
@@ -215,7 +264,11 @@ class Watch:
         self.groups: list[tuple[str, dict[str, Any], tuple[str, ...], tuple[Any, ...]]] = []
         for path, opt in optimizers.items():
             for i, group in enumerate(opt.param_groups):
-                keys = tuple(k for k in opt.defaults if k in group and k != "params")
+                keys = tuple(
+                    k
+                    for k in opt.defaults
+                    if k in group and k != "params" and (id(group), k) not in written
+                )
                 where = f"`{path}` ({type(opt).__name__}) param_groups[{i}]"
                 self.groups.append((where, group, keys, tuple(group[k] for k in keys)))
         self._flatten_groups()
@@ -254,7 +307,7 @@ class Watch:
     def _raise_for_grads(self) -> None:
         for name, p, grad in zip(self.names, self.params, self.grads, strict=True):
             if p.grad is not grad:
-                raise _errors.grad_replaced(self.name, name, grad, p.grad)
+                raise _errors_state.grad_replaced(self.name, name, grad, p.grad)
 
     def _check_group(
         self,
@@ -270,7 +323,7 @@ class Watch:
                 continue
             tensors = isinstance(new, torch.Tensor) or isinstance(value, torch.Tensor)
             if tensors or type(new) is not type(value) or new != value:
-                raise _errors.hyperparameter_changed(self.name, where, key, value, new)
+                raise _errors_state.hyperparameter_changed(self.name, where, key, value, new)
         # Equal values in new objects (a scheduler that wrote the same number): keep checking
         # the new objects, so that the next replay takes the fast path again.
         self.groups[i] = (where, group, keys, tuple(group[k] for k in keys))

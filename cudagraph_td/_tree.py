@@ -207,6 +207,11 @@ def leaf_keys(tree: Any) -> list[tuple[Any, ...]]:
     return [tuple(entry.entry for entry in accessor) for accessor in accessors]
 
 
+def fast_keys(keys: Sequence[Any]) -> list[Any]:
+    """TensorDict keys with single-key tuples as plain strings, the faster lookups."""
+    return [key[0] if isinstance(key, tuple) and len(key) == 1 else key for key in keys]
+
+
 def is_leaf(tree: Any) -> bool:
     """Whether ``tree`` is a leaf in the library's namespace."""
     if is_tensor_collection(tree):
