@@ -127,6 +127,11 @@ class CudaBackend:
         # capture; the eager warm-up and capturing calls have checked them already.
         validate_args = distributions_validate_args()
         torch.distributions.Distribution.set_default_validate_args(False)
+        # Autocast's cache keeps the casts of parameters made by earlier calls in the same
+        # autocast region (the warm-up's): a graph that read them would never see the
+        # parameters change. Off, the capture records the casts themselves.
+        autocast_cache = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
         try:
             with torch.cuda.stream(self._capture_stream):
                 graph.capture_begin(pool=self.pool, capture_error_mode=self.capture_error_mode)
@@ -143,6 +148,7 @@ class CudaBackend:
                     graph.capture_end()
         finally:
             clear_cublas_workspaces()
+            torch.set_autocast_cache_enabled(autocast_cache)
             torch.distributions.Distribution.set_default_validate_args(validate_args)
             if gc_was_enabled:
                 gc.enable()

@@ -9,6 +9,7 @@ is a complete captured call (`_replay.Captured`) that the replay path launches.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -129,6 +130,10 @@ def _path_requiring_grad(tree: Any) -> str | None:
     return None
 
 
+# Re-entrant: a function may call another wrapper while it is warmed up or captured.
+_CAPTURE_LOCK = threading.RLock()
+
+
 class GraphRunner:
     """The life of one graph: warm-up calls, the capture, then replays.
 
@@ -173,6 +178,12 @@ class GraphRunner:
         return self._prepare(args, kwargs)
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # One warm-up or capture at a time in the process: a capture admits no other
+        # thread's allocations (nor, in the "global" mode, their synchronisations).
+        with _CAPTURE_LOCK:
+            return self._prepare_locked(args, kwargs)
+
+    def _prepare_locked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         assert self.make_backend is not None
         backend = self.backend or self.make_backend(args, kwargs)
         self.backend = backend

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Literal
@@ -19,13 +20,29 @@ BackendName = Literal["auto", "cuda", "emulate"]
 # What changes what the function computes, and so needs a graph of its own: tensordict's
 # interaction type (a stochastic policy captured while sampling must not replay its samples
 # when called for its mode), grad mode (a graph captured for autograd under grad mode, a
-# plain one under no_grad) and a module's training mode (dropout).
-Mode = tuple[Any, bool, Any]
-# A graph's key: its mode, and the call key that tells graphs of one mode apart (always
-# None: one graph per mode).
-GraphKey = tuple[Mode, Hashable]
+# plain one under no_grad), a module's training mode (dropout), and the autocast state
+# (None when autocast is off everywhere, else each device type's (enabled, dtype)).
+Mode = tuple[Any, bool, Any, Any]
+# A graph's key: its mode, the thread that calls it (each thread replays graphs of its own,
+# so that no thread reads another's static buffers), and the call key that tells graphs of
+# one mode apart (always None: one graph per mode).
+GraphKey = tuple[Mode, int, Hashable]
 
-_is_grad_enabled = torch.is_grad_enabled  # read at every call, so bound once
+# Read at every call, so bound once.
+_is_grad_enabled = torch.is_grad_enabled
+_any_autocast = torch._C._is_any_autocast_enabled
+_thread = threading.get_ident
+
+_AUTOCAST_DEVICES = ("cuda", "cpu")
+
+
+def _autocast_state() -> Any:
+    if not _any_autocast():
+        return None
+    return tuple(
+        (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        for device in _AUTOCAST_DEVICES
+    )
 
 
 class CudaGraphModule:
@@ -165,27 +182,37 @@ class CudaGraphModule:
         self._select()
 
     def _mode(self) -> Mode:
-        return (interaction_type(), torch.is_grad_enabled(), getattr(self.module, "training", None))
+        training = getattr(self.module, "training", None)
+        return (interaction_type(), torch.is_grad_enabled(), training, _autocast_state())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # The replay path. The mode is compared with the last call's, part by part and by
-        # identity (no tuple built); while it holds, the last call's graph replays, through
-        # its replay function (see `_replay`), which answers MISS for a call it leaves to
-        # `_call`.
+        # The replay path. The last selection is read once, as one tuple, so that a thread
+        # never sees parts of another thread's. While the thread and the mode are the last
+        # call's (compared part by part, by identity: no tuple built), the last call's graph
+        # replays, through its replay function (see `_replay`), which answers MISS for a
+        # call it leaves to `_call`.
+        thread, interaction, grad, training, autocast, replay = self._last
         if (
-            interaction_type() is self._interaction
-            and _is_grad_enabled() is self._grad
-            and (not self._has_training or self.module.training is self._training)  # type: ignore[attr-defined]
+            _thread() == thread
+            and interaction_type() is interaction
+            and _is_grad_enabled() is grad
+            and (not self._has_training or self.module.training is training)  # type: ignore[attr-defined]
+            and (not _any_autocast() if autocast is None else _autocast_state() == autocast)
         ):
-            out = self._replay(args, kwargs)
+            out = replay(args, kwargs)
             if out is not MISS:
                 return out
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The slow path: a warm-up, a capture, a replay checked in full, or a verified one."""
+        """The slow path: a warm-up, a capture, a replay checked in full, or a verified one;
+        or a replay after another thread's call or another mode's."""
         runner = self._select()
         verifier = self._verifier
+        if runner.replay is not None and (verifier is None or not verifier.left):
+            out = runner.replay(args, kwargs)  # after another thread's call, or mode's
+            if out is not MISS:
+                return out
         if verifier is not None and (runner.captured is None or not verifier.left):
             verifier = None  # only replays are verified, and only the first ones
         copies = None if verifier is None else verifier.copy_inputs(args, kwargs)
@@ -209,17 +236,17 @@ class CudaGraphModule:
     def _select(self) -> _graph.GraphRunner:
         """Choose the graph of the current call by its key (the one place that does), and make
         its replay function the one that ``__call__`` tries."""
-        mode = self._mode()
-        key: GraphKey = (mode, None)
+        mode, thread = self._mode(), _thread()
+        key: GraphKey = (mode, thread, None)
         runner = self._graphs.get(key)
         if runner is None:
-            runner = self._graphs[key] = self._new_runner()
+            runner = self._graphs[key] = self._new_runner(thread)
         if runner.captured is not None and runner.replay is None:
             runner.replay = self._replay_function(runner.captured)
-        self._interaction, self._grad, self._training = mode
-        self._replay = runner.replay or _not_captured
+        replay = runner.replay or _not_captured
         if self._verifier is not None and self._verifier.left:
-            self._replay = _not_captured  # replays to verify take `_call`
+            replay = _not_captured  # replays to verify take `_call`
+        self._last = (thread, *mode, replay)
         return runner
 
     def _replay_function(self, captured: _replay.Captured) -> _replay.ReplayFunction:
@@ -229,20 +256,25 @@ class CudaGraphModule:
             return _replay.replay_function(captured, self._layer.routes(captured))
         return _replay.replay_function(captured, _replay.default_routes(captured))
 
-    def _new_runner(self) -> _graph.GraphRunner:
+    def _new_runner(self, thread: int) -> _graph.GraphRunner:
         make_backend = None
+        capture_error_mode = self._capture_error_mode
+        if capture_error_mode == "global" and any(key[1] != thread for key in self._graphs):
+            # Other threads replay graphs of this wrapper: their work must not break this
+            # capture, nor this capture their work.
+            capture_error_mode = "thread_local"
         if self._backend_name != "eager":
             make_backend = functools.partial(
                 _make_runner_backend,
                 self._backend_name,
                 self.device,
                 self._pool,
-                self._capture_error_mode,
+                capture_error_mode,
             )
         return _graph.GraphRunner(type(self).__name__, self._fn, self._warmup, make_backend)
 
     def _current_runner(self) -> _graph.GraphRunner | None:
-        return self._graphs.get((self._mode(), None))
+        return self._graphs.get((self._mode(), _thread(), None))
 
     @property
     def counter(self) -> int:
@@ -309,12 +341,21 @@ def _not_captured(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _mode_name(key: GraphKey) -> str:
-    (interaction, grad, training), _ = key
+    (interaction, grad, training, autocast), thread, _ = key
     parts = ["grad" if grad else "no_grad"]
     if training is not None:
         parts.append("train" if training else "eval")
     if interaction is not None:
         parts.append(f"interaction {interaction}")
+    if autocast is not None:
+        enabled = [
+            f"{device} {str(dtype).removeprefix('torch.')}"
+            for device, (on, dtype) in zip(_AUTOCAST_DEVICES, autocast, strict=True)
+            if on
+        ]
+        parts.append(f"autocast {', '.join(enabled)}")
+    if thread != threading.main_thread().ident:
+        parts.append(f"thread {thread}")
     return ", ".join(parts)
 
 

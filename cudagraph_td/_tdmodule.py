@@ -126,6 +126,10 @@ class TensorDictLayer:
                 if missing:
                     raise _errors.missing_in_keys(self.name, missing)
             inputs = tensordict.select(*self.in_keys, strict=False)
+        elif tensordict_out is not None:
+            # A function that writes into its input writes into a copy, whose entries then
+            # go to `tensordict_out`: the caller's TensorDict is left as it was.
+            inputs = tensordict.copy()
         out = runner.run((inputs, *args), kwargs)
         target = tensordict if tensordict_out is None else tensordict_out
         if isinstance(out, tuple) and len(out) == 2 and out[0] is WROTE_INPUT:
