@@ -3,12 +3,14 @@
 from ._errors import InputMismatchError as InputMismatchError
 from ._graphed_callables import make_graphed_callables as make_graphed_callables
 from ._module import CudaGraphModule as CudaGraphModule
+from ._state import RecaptureWarning as RecaptureWarning
 from ._verify import VerificationError as VerificationError
 from ._version import __version__ as __version__
 
 __all__ = [
     "CudaGraphModule",
     "InputMismatchError",
+    "RecaptureWarning",
     "VerificationError",
     "__version__",
     "make_graphed_callables",

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from ._capture_causes import CAPTURE_CAUSES
 
 RESET_HINT = "or call `reset()` to capture the graph again for the new inputs"

@@ -96,8 +96,8 @@ def capture(
     mutated = [i for i, (t, v) in enumerate(zip(inputs, versions, strict=True)) if version(t) != v]
     if grad and _path_requiring_grad(result):
         # Autograd holds the parameters it differentiates: they are followed by identity too.
-        state = functools.partial(observed.state, name, identity=True)
-        call = capture_differentiable(name, fn, signature, backend, result, inputs, mutated, state)
+        follow = functools.partial(observed.state, name, identity=True)
+        call = capture_differentiable(name, fn, signature, backend, result, inputs, mutated, follow)
         return call, result
     for t, path in zip(signature.static_inputs, signature.tensor_paths(), strict=True):
         if t.requires_grad:

@@ -179,7 +179,8 @@ class CudaGraphModule:
             self._layer = _tdmodule.TensorDictLayer(name, self.in_keys, self.out_keys)
         self._has_training = hasattr(module, "training")
         self._graphs: dict[GraphKey, _graph.GraphRunner] = {}
-        self._select()
+        # The last call's thread, mode and replay function (see `__call__`): none yet.
+        self._last: tuple[Any, ...] = (None, None, None, None, None, _not_captured)
 
     def _mode(self) -> Mode:
         training = getattr(self.module, "training", None)
@@ -285,7 +286,7 @@ class CudaGraphModule:
     def reset(self) -> None:
         """Drop the captured graphs and their buffers; the next call starts the warm-up again."""
         self._graphs.clear()
-        self._select()
+        self._last = (None, None, None, None, None, _not_captured)
 
     @property
     def is_captured(self) -> bool:
@@ -319,7 +320,9 @@ class CudaGraphModule:
     def __repr__(self) -> str:
         if self._backend_name == "eager":
             state = "eager (no CUDA)"
-        else:  # one entry per mode the wrapper was called in, with its graph's stage
+        elif not self._graphs:
+            state = f"warming up: 0 of {self._warmup - 1} warm-up calls done"
+        else:  # one entry per mode (and thread) the wrapper was called in, with its stage
             state = "; ".join(
                 f"{_mode_name(key)}: {self._stage(runner)}" for key, runner in self._graphs.items()
             )

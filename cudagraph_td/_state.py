@@ -101,11 +101,9 @@ class State:
         changed = []
         for path, holder, key, value, address in self.entries:
             now = holder.get(key)
-            if address is None or self.identity:
-                if now is not value:
-                    changed.append(path)
-                    continue
-            if address is not None and _address(now) != address:
+            if ((address is None or self.identity) and now is not value) or (
+                address is not None and _address(now) != address
+            ):
                 changed.append(path)
         return changed
 

@@ -128,8 +128,13 @@ class TensorDictLayer:
             inputs = tensordict.select(*self.in_keys, strict=False)
         elif tensordict_out is not None:
             # A function that writes into its input writes into a copy, whose entries then
-            # go to `tensordict_out`: the caller's TensorDict is left as it was.
+            # go to `tensordict_out`: the caller's TensorDict is left as it was. The copy
+            # takes tensordict_out's batch size when it is a prefix of the input's (a loss
+            # written into `TensorDict()`): what it accepts, the copy accepts.
             inputs = tensordict.copy()
+            batch_size = tensordict_out.batch_size
+            if tensordict.batch_size[: len(batch_size)] == batch_size:
+                inputs.batch_size = batch_size
         out = runner.run((inputs, *args), kwargs)
         target = tensordict if tensordict_out is None else tensordict_out
         if isinstance(out, tuple) and len(out) == 2 and out[0] is WROTE_INPUT:

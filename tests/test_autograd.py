@@ -407,6 +407,17 @@ def test_torch_documentation_usage_with_the_import_swapped(cuda: Backend) -> Non
         torch.testing.assert_close(graphed.weight, twin.weight, rtol=1e-4, atol=1e-5)
 
 
+def test_a_callable_with_nothing_to_differentiate_is_graphed(backend: Backend) -> None:
+    # No parameter and no input that requires grad: torch's function graphs it, and so does
+    # this one (the backward graph is empty); the outputs do not require grad.
+    graphed = backend.graph_callables(nn.ReLU(), (backend.randn(8, 4),))
+    for _ in range(3):
+        x = backend.randn(8, 4)
+        out = graphed(x)
+        assert not out.requires_grad
+        torch.testing.assert_close(out, x.relu())
+
+
 def test_wrong_inputs_of_a_graphed_callable_are_refused(backend: Backend) -> None:
     net = _mlp(backend)
     twin = copy.deepcopy(net)

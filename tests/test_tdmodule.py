@@ -80,6 +80,24 @@ def test_tensordict_out(backend: Backend) -> None:
         torch.testing.assert_close(out_td["action"], actor(td.clone())["action"])
 
 
+def test_tensordict_out_of_a_function_without_in_keys(backend: Backend) -> None:
+    # A PPO-style update wrapped with in_keys=[]: it writes a scalar loss into its input.
+    # Given tensordict_out, the writes go there, and the caller's TensorDict is untouched.
+    net = nn.Linear(4, 1).to(backend.device)
+
+    def update(td: TensorDict) -> TensorDict:
+        td["loss"] = net(td["observation"]).pow(2).mean().detach()
+        return td
+
+    graphed = backend.wrap(update, warmup=2, in_keys=[], out_keys=[])
+    for _ in range(4):
+        td = _obs_td(backend)
+        out_td = TensorDict()
+        result = graphed(td, tensordict_out=out_td)
+        assert result is out_td and list(td.keys()) == ["observation"]
+        torch.testing.assert_close(out_td["loss"], net(td["observation"]).pow(2).mean())
+
+
 def test_keys_from_the_arguments_for_a_function(backend: Backend) -> None:
     def fn(tensordict: TensorDict) -> TensorDict:
         tensordict["y"] = tensordict["x"] * 2 + 1

@@ -329,3 +329,28 @@ def test_compiled_step_inside(backend: Backend, warmup: int) -> None:
     assert graphed.is_captured
     for p, q in zip(net.parameters(), twin_net.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_a_step_that_sets_its_own_learning_rate_is_not_a_change(backend: Backend) -> None:
+    def make() -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
+        w = torch.zeros(3, device=backend.device, requires_grad=True)
+        base = torch.tensor(0.1, device=backend.device)
+        count = torch.zeros((), device=backend.device)
+        opt = torch.optim.Adam([w], lr=base.clone(), capturable=backend.name == "cuda")
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad(set_to_none=False)
+            (w * x).pow(2).sum().backward()
+            count.add_(1)
+            opt.param_groups[0]["lr"] = base * 0.9**count  # a schedule inside the step
+            opt.step()
+            return w.detach().clone()
+
+        return step, w
+
+    step, _ = make()
+    twin, _ = make()
+    graphed = backend.wrap(step, warmup=2)
+    for i in range(6):
+        x = backend.randn(3)
+        torch.testing.assert_close(graphed(x), twin(x), msg=f"call {i}")

@@ -1,0 +1,274 @@
+"""The state around a graph: parameters, buffers, optimizers, autocast and threads that change
+after the capture are followed (a new capture) or refused, never replayed stale."""
+
+from __future__ import annotations
+
+import copy
+import re
+import threading
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from cudagraph_td import CudaGraphModule, RecaptureWarning
+
+from .conftest import Backend
+from .test_whole_step import _agent
+
+
+def _net(backend: Backend) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 2)).to(
+        backend.device
+    )
+
+
+def _warm(graphed: CudaGraphModule, net: nn.Module, backend: Backend, calls: int = 3) -> None:
+    for _ in range(calls):
+        x = backend.randn(8, 4)
+        torch.testing.assert_close(graphed(x), net(x))
+
+
+def _replace(net: nn.Sequential, how: str, backend: Backend) -> str:
+    """Replace state of ``net`` after the capture, as users do; return what the warning names."""
+    fresh = _net(backend).eval()
+    if how == "attribute":
+        net[0].weight = nn.Parameter(fresh[0].weight.detach().clone())
+        return "module[0].weight"
+    if how == "assign":
+        net.load_state_dict(copy.deepcopy(fresh.state_dict()), assign=True)
+        return "module[0].weight"
+    if how == "data":
+        net[3].bias.data = fresh[3].bias.detach().clone()
+        return "module[3].bias"
+    if how == "buffer":
+        net[1].running_mean = torch.randn(16, device=backend.device)
+        return "module[1].running_mean"
+    assert how == "to"
+    net.to(torch.float64)
+    return "module[0].weight"
+
+
+REPLACEMENTS = ["attribute", "assign", "data", "buffer", "to"]
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_parameters_updated_in_place_flow_through_the_graph(backend: Backend, grad: bool) -> None:
+    net = _net(backend).eval()
+    other = _net(backend).eval()
+    graphed = backend.wrap(net, warmup=2)
+    with torch.set_grad_enabled(grad), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no recapture
+        _warm(graphed, net, backend)
+        captured = graphed._current_runner().captured
+        net.load_state_dict(other.state_dict())  # copies in place
+        with torch.no_grad():
+            net[0].weight.mul_(2)
+            net[1].running_var.add_(1)
+        _warm(graphed, net, backend)
+        assert graphed._current_runner().captured is captured
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("how", REPLACEMENTS)
+def test_replaced_state_is_captured_again_with_a_warning(
+    backend: Backend, how: str, grad: bool
+) -> None:
+    net = _net(backend).eval()
+    graphed = backend.wrap(net, warmup=2)
+    with torch.set_grad_enabled(grad):
+        _warm(graphed, net, backend)
+        named = _replace(net, how, backend)
+        dtype = net[0].weight.dtype
+        x = backend.randn(8, 4).to(dtype)
+        with pytest.warns(RecaptureWarning, match=re.escape(f"`{named}`")):
+            out = graphed(x)
+        torch.testing.assert_close(out, net(x))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # captured again once: no more warnings
+            for _ in range(3):
+                x = backend.randn(8, 4).to(dtype)
+                torch.testing.assert_close(graphed(x), net(x))
+        assert graphed.is_captured
+
+
+def test_replaced_state_is_refused_when_the_warning_is_an_error(backend: Backend) -> None:
+    net = _net(backend).eval()
+    graphed = backend.wrap(net, warmup=2)
+    with torch.no_grad():
+        _warm(graphed, net, backend)
+        _replace(net, "attribute", backend)
+        x = backend.randn(8, 4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RecaptureWarning)
+            for _ in range(2):  # refused at every call, the stale graph never replayed
+                with pytest.raises(RecaptureWarning, match=re.escape("`module[0].weight`")):
+                    graphed(x)
+        graphed.reset()
+        _warm(graphed, net, backend)
+
+
+def test_a_graphed_callable_refuses_replaced_parameters(backend: Backend) -> None:
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).to(backend.device)
+    graphed = backend.graph_callables(net, (backend.randn(5, 4),))
+    net[2].weight = nn.Parameter(torch.randn(1, 8, device=backend.device))
+    with pytest.raises(
+        RuntimeError, match=re.escape("replaced after the capture: `module[2].weight`")
+    ):
+        graphed(backend.randn(5, 4))
+
+
+def test_a_module_that_rebinds_its_state_is_warned_at_capture(backend: Backend) -> None:
+    class Counter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("calls", torch.zeros((), device=backend.device))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls = self.calls + 1  # rebinds: a graph would read the capture's value
+            return x * self.calls
+
+    graphed = backend.wrap(Counter(), warmup=2)
+    graphed(backend.randn(3))
+    with pytest.warns(UserWarning, match=re.escape("rebinds `module.calls` to a new tensor")):
+        graphed(backend.randn(3))
+
+
+def _batches(backend: Backend, n: int) -> list[TensorDict]:
+    return [
+        TensorDict(
+            obs=backend.randn(64, 3),
+            next_obs=backend.randn(64, 3),
+            reward=backend.randn(64, 1),
+            batch_size=[64],
+        )
+        for _ in range(n)
+    ]
+
+
+def test_a_training_step_resumed_from_a_checkpoint_matches_its_eager_twin(
+    backend: Backend,
+) -> None:
+    update, net, target, opt = _agent(backend, "adam")
+    twin_update, twin_net, twin_target, twin_opt = _agent(backend, "adam")
+    graphed = backend.wrap(update, warmup=2)
+    batches = _batches(backend, 10)
+    for td in batches[:4]:
+        graphed(td)
+    checkpoint = copy.deepcopy(
+        {"net": net.state_dict(), "target": target.state_dict(), "opt": opt.state_dict()}
+    )
+    for td in batches[4:6]:  # steps that the restore undoes
+        graphed(td)
+    for module, twin, key in ((net, twin_net, "net"), (target, twin_target, "target")):
+        module.load_state_dict(checkpoint[key])  # in place: the graph keeps reading them
+        twin.load_state_dict(checkpoint[key])
+    # New state tensors and param_groups (a copy each: a CPU optimizer would share them).
+    opt.load_state_dict(copy.deepcopy(checkpoint["opt"]))
+    twin_opt.load_state_dict(copy.deepcopy(checkpoint["opt"]))
+    with pytest.warns(RecaptureWarning, match=re.escape("`opt.state`")):
+        torch.testing.assert_close(graphed(batches[6])["loss"], twin_update(batches[6])["loss"])
+    for td in batches[7:]:
+        torch.testing.assert_close(graphed(td)["loss"], twin_update(td)["loss"])
+    for p, q in zip(net.parameters(), twin_net.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    for state, twin_state in zip(opt.state.values(), twin_opt.state.values(), strict=True):
+        for key in state:
+            torch.testing.assert_close(state[key], twin_state[key], rtol=1e-4, atol=1e-5)
+
+
+def _autocast(backend: Backend) -> torch.autocast:
+    return torch.autocast(backend.device.type, dtype=torch.bfloat16)
+
+
+def test_the_autocast_state_selects_a_graph_of_its_own(backend: Backend) -> None:
+    net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2)).to(backend.device)
+    graphed = backend.wrap(net, warmup=2)
+    with torch.no_grad():
+        with _autocast(backend):
+            for _ in range(3):
+                x = backend.randn(8, 4)
+                out = graphed(x)
+                assert out.dtype == torch.bfloat16
+                torch.testing.assert_close(out, net(x))
+        for _ in range(3):  # outside: float32, as eager
+            x = backend.randn(8, 4)
+            out = graphed(x)
+            assert out.dtype == torch.float32
+            torch.testing.assert_close(out, net(x))
+        with torch.autocast(backend.device.type, dtype=torch.float16):  # another dtype
+            x = backend.randn(8, 4)
+            assert graphed(x).dtype == torch.float16
+        with _autocast(backend):  # the first graph again, not a new one
+            captured = graphed._current_runner().captured
+            x = backend.randn(8, 4)
+            torch.testing.assert_close(graphed(x), net(x))
+            assert graphed._current_runner().captured is captured
+    assert "autocast" in repr(graphed)
+
+
+def test_a_graph_captured_under_autocast_reads_the_parameters_not_a_cached_cast(
+    backend: Backend,
+) -> None:
+    net = nn.Linear(4, 2).to(backend.device)
+    graphed = backend.wrap(net, warmup=2)
+    with torch.no_grad():
+        with _autocast(backend):  # the warm-up fills autocast's cache with casts of net
+            for _ in range(3):
+                graphed(backend.randn(8, 4))
+        net.weight.mul_(-1)  # in place, after autocast's region ended
+        with _autocast(backend):
+            x = backend.randn(8, 4)
+            torch.testing.assert_close(graphed(x), net(x))
+
+
+def test_threads_sharing_a_wrapper_get_their_own_results(backend: Backend) -> None:
+    net = nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 3)).to(backend.device)
+    graphed = backend.wrap(net, warmup=2)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(4)
+
+    def serve(i: int) -> None:
+        try:
+            barrier.wait()  # first calls at the same time: warm-ups and captures
+            with torch.no_grad():
+                for _ in range(150):
+                    x = torch.full((5, 4), float(i), device=backend.device) + backend.randn(5, 4)
+                    out = graphed(x)
+                    torch.testing.assert_close(out, net(x))
+        except BaseException as err:  # reported by the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=serve, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[0]
+    assert len(graphed._graphs) == 4  # a graph per thread
+    assert all(runner.captured is not None for runner in graphed._graphs.values())
+    assert "thread" in repr(graphed)
+
+
+def test_each_thread_warms_up_and_captures_its_own_graph(backend: Backend) -> None:
+    graphed = backend.wrap(lambda x: x * 2, warmup=2)
+    graphed(backend.randn(3))
+    graphed(backend.randn(3))
+    assert graphed.is_captured
+    seen: dict[str, Any] = {}
+
+    def other() -> None:
+        seen["before"] = graphed.is_captured
+        x = backend.randn(3)
+        seen["out"], seen["x"] = graphed(x), x
+        seen["counter"] = graphed.counter
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert seen["before"] is False and seen["counter"] == 1
+    torch.testing.assert_close(seen["out"], seen["x"] * 2)
+    assert graphed.is_captured  # this thread's graph is untouched
