@@ -10,9 +10,10 @@ input that is not copied in) fails on a machine without a GPU too.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -102,7 +103,7 @@ class CudaBackend:
     def warmup(self, fn: Callable[[], T]) -> T:
         current = torch.cuda.current_stream(self.device)
         self._side_stream.wait_stream(current)
-        with torch.cuda.stream(self._side_stream):
+        with torch.cuda.stream(self._side_stream), _no_autocast_cache():
             out = fn()
         current.wait_stream(self._side_stream)
         return out
@@ -127,13 +128,8 @@ class CudaBackend:
         # capture; the eager warm-up and capturing calls have checked them already.
         validate_args = distributions_validate_args()
         torch.distributions.Distribution.set_default_validate_args(False)
-        # Autocast's cache keeps the casts of parameters made by earlier calls in the same
-        # autocast region (the warm-up's): a graph that read them would never see the
-        # parameters change. Off, the capture records the casts themselves.
-        autocast_cache = torch.is_autocast_cache_enabled()
-        torch.set_autocast_cache_enabled(False)
         try:
-            with torch.cuda.stream(self._capture_stream):
+            with torch.cuda.stream(self._capture_stream), _no_autocast_cache():
                 graph.capture_begin(pool=self.pool, capture_error_mode=self.capture_error_mode)
                 try:
                     out = fn()
@@ -148,7 +144,6 @@ class CudaBackend:
                     graph.capture_end()
         finally:
             clear_cublas_workspaces()
-            torch.set_autocast_cache_enabled(autocast_cache)
             torch.distributions.Distribution.set_default_validate_args(validate_args)
             if gc_was_enabled:
                 gc.enable()
@@ -174,6 +169,25 @@ class CudaBackend:
         graph.capture_begin()
         scratch.zero_()  # a graph must hold a node for capture_end to accept it
         graph.capture_end()
+
+
+@contextlib.contextmanager
+def _no_autocast_cache() -> Iterator[None]:
+    """Autocast's cache off, under autocast, for the warm-ups and the capture.
+
+    The cache keeps the casts of parameters made by earlier calls in the same autocast
+    region (a warm-up's): a graph that read them would never see the parameters change.
+    Off, the capture records the casts themselves. Off for the warm-ups too, so that a
+    ``torch.compile``d function, which guards on it, is not compiled again in the capture.
+    """
+    if not torch._C._is_any_autocast_enabled() or not torch.is_autocast_cache_enabled():
+        yield
+        return
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(True)
 
 
 class EmulatedBackend:

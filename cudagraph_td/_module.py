@@ -23,15 +23,14 @@ BackendName = Literal["auto", "cuda", "emulate"]
 # plain one under no_grad), a module's training mode (dropout), and the autocast state
 # (None when autocast is off everywhere, else each device type's (enabled, dtype)).
 Mode = tuple[Any, bool, Any, Any]
-# A graph's key: its mode, the thread that calls it (each thread replays graphs of its own,
-# so that no thread reads another's static buffers), and the call key that tells graphs of
-# one mode apart (always None: one graph per mode).
-GraphKey = tuple[Mode, int, Hashable]
+# A graph's key: its mode, and the call key that tells graphs of one mode apart (always
+# None: one graph per mode).
+GraphKey = tuple[Mode, Hashable]
 
 # Read at every call, so bound once.
 _is_grad_enabled = torch.is_grad_enabled
 _any_autocast = torch._C._is_any_autocast_enabled
-_thread = threading.get_ident
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds only
 
 _AUTOCAST_DEVICES = ("cuda", "cpu")
 
@@ -179,41 +178,60 @@ class CudaGraphModule:
             self._layer = _tdmodule.TensorDictLayer(name, self.in_keys, self.out_keys)
         self._has_training = hasattr(module, "training")
         self._graphs: dict[GraphKey, _graph.GraphRunner] = {}
-        # The last call's thread, mode and replay function (see `__call__`): none yet.
-        self._last: tuple[Any, ...] = (None, None, None, None, None, _not_captured)
+        # The last call's mode and replay function (see `__call__`): none yet.
+        self._last: tuple[Any, ...] = (None, None, None, None, _not_captured)
+        # One call at a time: threads that share the wrapper take turns, so that none reads
+        # another's static buffers (re-entrant: the function may call the wrapper).
+        self._lock = threading.RLock()
+        # The CUDA stream of the last call, and its device (see `_follow_stream`).
+        self._stream: Any = None
+        self._raw_stream: int | None = None
+        self._stream_device: int | None = None
 
     def _mode(self) -> Mode:
         training = getattr(self.module, "training", None)
         return (interaction_type(), torch.is_grad_enabled(), training, _autocast_state())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # The replay path. The last selection is read once, as one tuple, so that a thread
-        # never sees parts of another thread's. While the thread and the mode are the last
-        # call's (compared part by part, by identity: no tuple built), the last call's graph
-        # replays, through its replay function (see `_replay`), which answers MISS for a
-        # call it leaves to `_call`.
-        thread, interaction, grad, training, autocast, replay = self._last
-        if (
-            _thread() == thread
-            and interaction_type() is interaction
-            and _is_grad_enabled() is grad
-            and (not self._has_training or self.module.training is training)  # type: ignore[attr-defined]
-            and (not _any_autocast() if autocast is None else _autocast_state() == autocast)
-        ):
-            out = replay(args, kwargs)
-            if out is not MISS:
-                return out
-        return self._call(args, kwargs)
+        # The replay path. While the mode is the last call's (compared part by part, by
+        # identity: no tuple built), the last call's graph replays, through its replay
+        # function (see `_replay`), which answers MISS for a call it leaves to `_call`.
+        self._lock.acquire()
+        try:
+            if self._raw_stream is not None and self._raw_stream != _raw_stream(  # type: ignore[misc]
+                self._stream_device
+            ):
+                self._follow_stream()  # a call on another stream than the last one
+            interaction, grad, training, autocast, replay = self._last
+            if (
+                interaction_type() is interaction
+                and _is_grad_enabled() is grad
+                and (not self._has_training or self.module.training is training)  # type: ignore[attr-defined]
+                and (not _any_autocast() if autocast is None else _autocast_state() == autocast)
+            ):
+                out = replay(args, kwargs)
+                if out is not MISS:
+                    return out
+            return self._call(args, kwargs)
+        finally:
+            self._lock.release()
+
+    def _follow_stream(self) -> None:
+        """Order this call's stream after the last call's: a replay overwrites the static
+        buffers that the last one's copies may still be reading on its own stream."""
+        stream = torch.cuda.current_stream(self._stream_device)
+        if self._stream is not None:
+            stream.wait_stream(self._stream)
+        self._stream, self._raw_stream = stream, stream.cuda_stream
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The slow path: a warm-up, a capture, a replay checked in full, or a verified one;
-        or a replay after another thread's call or another mode's."""
+        """The slow path: a warm-up, a capture, a replay checked in full, or a verified one."""
         runner = self._select()
         verifier = self._verifier
-        if runner.replay is not None and (verifier is None or not verifier.left):
-            out = runner.replay(args, kwargs)  # after another thread's call, or mode's
-            if out is not MISS:
-                return out
+        backend = runner.backend
+        if self._stream_device is None and backend is not None and backend.device.type == "cuda":
+            self._stream_device = backend.device.index  # from now on, calls follow streams
+            self._follow_stream()
         if verifier is not None and (runner.captured is None or not verifier.left):
             verifier = None  # only replays are verified, and only the first ones
         copies = None if verifier is None else verifier.copy_inputs(args, kwargs)
@@ -237,17 +255,17 @@ class CudaGraphModule:
     def _select(self) -> _graph.GraphRunner:
         """Choose the graph of the current call by its key (the one place that does), and make
         its replay function the one that ``__call__`` tries."""
-        mode, thread = self._mode(), _thread()
-        key: GraphKey = (mode, thread, None)
+        mode = self._mode()
+        key: GraphKey = (mode, None)
         runner = self._graphs.get(key)
         if runner is None:
-            runner = self._graphs[key] = self._new_runner(thread)
+            runner = self._graphs[key] = self._new_runner()
         if runner.captured is not None and runner.replay is None:
             runner.replay = self._replay_function(runner.captured)
         replay = runner.replay or _not_captured
         if self._verifier is not None and self._verifier.left:
             replay = _not_captured  # replays to verify take `_call`
-        self._last = (thread, *mode, replay)
+        self._last = (*mode, replay)
         return runner
 
     def _replay_function(self, captured: _replay.Captured) -> _replay.ReplayFunction:
@@ -257,25 +275,20 @@ class CudaGraphModule:
             return _replay.replay_function(captured, self._layer.routes(captured))
         return _replay.replay_function(captured, _replay.default_routes(captured))
 
-    def _new_runner(self, thread: int) -> _graph.GraphRunner:
+    def _new_runner(self) -> _graph.GraphRunner:
         make_backend = None
-        capture_error_mode = self._capture_error_mode
-        if capture_error_mode == "global" and any(key[1] != thread for key in self._graphs):
-            # Other threads replay graphs of this wrapper: their work must not break this
-            # capture, nor this capture their work.
-            capture_error_mode = "thread_local"
         if self._backend_name != "eager":
             make_backend = functools.partial(
                 _make_runner_backend,
                 self._backend_name,
                 self.device,
                 self._pool,
-                capture_error_mode,
+                self._capture_error_mode,
             )
         return _graph.GraphRunner(type(self).__name__, self._fn, self._warmup, make_backend)
 
     def _current_runner(self) -> _graph.GraphRunner | None:
-        return self._graphs.get((self._mode(), _thread(), None))
+        return self._graphs.get((self._mode(), None))
 
     @property
     def counter(self) -> int:
@@ -286,7 +299,7 @@ class CudaGraphModule:
     def reset(self) -> None:
         """Drop the captured graphs and their buffers; the next call starts the warm-up again."""
         self._graphs.clear()
-        self._last = (None, None, None, None, None, _not_captured)
+        self._last = (None, None, None, None, _not_captured)
 
     @property
     def is_captured(self) -> bool:
@@ -322,7 +335,7 @@ class CudaGraphModule:
             state = "eager (no CUDA)"
         elif not self._graphs:
             state = f"warming up: 0 of {self._warmup - 1} warm-up calls done"
-        else:  # one entry per mode (and thread) the wrapper was called in, with its stage
+        else:  # one entry per mode the wrapper was called in, with its graph's stage
             state = "; ".join(
                 f"{_mode_name(key)}: {self._stage(runner)}" for key, runner in self._graphs.items()
             )
@@ -344,7 +357,7 @@ def _not_captured(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _mode_name(key: GraphKey) -> str:
-    (interaction, grad, training, autocast), thread, _ = key
+    (interaction, grad, training, autocast), _ = key
     parts = ["grad" if grad else "no_grad"]
     if training is not None:
         parts.append("train" if training else "eval")
@@ -357,8 +370,6 @@ def _mode_name(key: GraphKey) -> str:
             if on
         ]
         parts.append(f"autocast {', '.join(enabled)}")
-    if thread != threading.main_thread().ident:
-        parts.append(f"thread {thread}")
     return ", ".join(parts)
 
 
