@@ -1,0 +1,78 @@
+"""Ablation of the per-call checks on the TensorDict policy of workload c (CPU us per call).
+
+Times, interleaved: the version before the checks (benchmarks/baseline, if made), the
+current wrapper, the same with its state check removed, and each check alone.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+sys.path[:0] = ["benchmarks", "benchmarks/baseline"]
+import workloads  # noqa: E402
+
+from cudagraph_td import CudaGraphModule  # noqa: E402
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    td = TensorDict(observation=torch.randn(32, 17, device=device), batch_size=[32])
+    calls: dict[str, Any] = {}
+    policy = workloads._policy(device)
+    now = CudaGraphModule(policy)
+    stateless = CudaGraphModule(workloads._policy(device))
+    try:
+        from cudagraph_td_baseline import CudaGraphModule as Before
+
+        calls["before"] = Before(workloads._policy(device))
+    except ImportError:
+        pass
+    with torch.no_grad():
+        for g in (now, stateless, *calls.values()):
+            for _ in range(4):
+                g(td)
+        runner = stateless._current_runner()
+        runner.captured.state = None
+        runner.replay = None
+        stateless._select()
+        state = now._current_runner().captured.state
+        calls |= {
+            "now": lambda: now(td),
+            "now without the state check": lambda: stateless(td),
+            "State.fresh alone": state.fresh,
+            "RLock with-block alone": lambda: _locked(now._lock),
+            "raw stream alone": lambda: torch._C._cuda_getCurrentRawStream(0),
+            "any autocast alone": torch._C._is_any_autocast_enabled,
+            "get_ident alone": threading.get_ident,
+        }
+        per: dict[str, list[float]] = {k: [] for k in calls}
+        names = list(calls)
+        rng = random.Random(0)
+        for _ in range(400):
+            rng.shuffle(names)
+            for name in names:
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(16):
+                    calls[name]()
+                per[name].append((time.perf_counter() - start) / 16 * 1e6)
+        torch.cuda.synchronize()
+    for name, times in per.items():
+        print(f"{name:32s} {statistics.median(times):8.3f} us")
+
+
+def _locked(lock: Any) -> None:
+    with lock:
+        pass
+
+
+if __name__ == "__main__":
+    main()
