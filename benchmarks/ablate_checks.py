@@ -26,17 +26,20 @@ def main() -> None:
     device = torch.device("cuda")
     td = TensorDict(observation=torch.randn(32, 17, device=device), batch_size=[32])
     calls: dict[str, Any] = {}
+    wrappers: list[Any] = []
     policy = workloads._policy(device)
     now = CudaGraphModule(policy)
     stateless = CudaGraphModule(workloads._policy(device))
     try:
         from cudagraph_td_baseline import CudaGraphModule as Before
 
-        calls["before"] = Before(workloads._policy(device))
+        before = Before(workloads._policy(device))
+        wrappers.append(before)
+        calls["before"] = lambda: before(td)
     except ImportError:
         pass
     with torch.no_grad():
-        for g in (now, stateless, *calls.values()):
+        for g in (now, stateless, *wrappers):
             for _ in range(4):
                 g(td)
         runner = stateless._current_runner()
