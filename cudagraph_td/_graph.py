@@ -8,9 +8,10 @@ is a complete captured call (`_replay.Captured`) that the replay path launches.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -130,8 +131,34 @@ def _path_requiring_grad(tree: Any) -> str | None:
     return None
 
 
-# Re-entrant: a function may call another wrapper while it is warmed up or captured.
+# One warm-up or capture at a time in the process: a capture admits no other thread's
+# allocations (nor, in the "global" mode, their synchronisations). Re-entrant: a function
+# may call another wrapper while it is warmed up or captured.
 _CAPTURE_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def capture_turn(lock: Any = None) -> Iterator[None]:
+    """Hold the capture lock: the one lock under which a wrapper's function runs.
+
+    ``lock`` is the wrapper's own, which the calling thread holds once. When another thread
+    holds the capture lock, this thread waits for it without holding ``lock``: the other
+    thread's function may call this wrapper (a wrapper calling another), and would otherwise
+    wait for this thread, which waits for it. The wrapper's state may then have moved on
+    while this thread waited (the other thread may have warmed it up or captured it).
+    """
+    if not _CAPTURE_LOCK.acquire(blocking=False):
+        if lock is not None:
+            lock.release()
+        try:
+            _CAPTURE_LOCK.acquire()
+        finally:
+            if lock is not None:
+                lock.acquire()
+    try:
+        yield
+    finally:
+        _CAPTURE_LOCK.release()
 
 
 class GraphRunner:
@@ -152,8 +179,10 @@ class GraphRunner:
         fn: Callable[..., Any],
         warmup: int,
         make_backend: Callable[[tuple[Any, ...], dict[str, Any]], Backend] | None,
+        lock: Any = None,
     ):
         self.name = name
+        self.lock = lock  # the owner's lock, held by the thread that calls `run`
         self.fn = fn
         self.warmup = warmup
         self.make_backend = make_backend
@@ -178,9 +207,9 @@ class GraphRunner:
         return self._prepare(args, kwargs)
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        # One warm-up or capture at a time in the process: a capture admits no other
-        # thread's allocations (nor, in the "global" mode, their synchronisations).
-        with _CAPTURE_LOCK:
+        with capture_turn(self.lock):
+            if self.captured is not None:  # captured by another thread while this one waited
+                return self.run(args, kwargs)
             return self._prepare_locked(args, kwargs)
 
     def _prepare_locked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

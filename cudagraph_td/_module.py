@@ -241,14 +241,15 @@ class CudaGraphModule:
             out = runner.run(args, kwargs)
         if verifier is not None:
             assert runner.backend is not None and runner.captured is not None
-            verifier.check(
-                copies,
-                args,
-                kwargs,
-                out,
-                device=runner.backend.device,
-                training_step=runner.captured.training_step,
-            )
+            with _graph.capture_turn(self._lock):  # the function runs only under it
+                verifier.check(
+                    copies,
+                    args,
+                    kwargs,
+                    out,
+                    device=runner.backend.device,
+                    training_step=runner.captured.training_step,
+                )
         self._select()  # the replay path, once captured (or once the last replay is verified)
         return out
 
@@ -285,7 +286,9 @@ class CudaGraphModule:
                 self._pool,
                 self._capture_error_mode,
             )
-        return _graph.GraphRunner(type(self).__name__, self._fn, self._warmup, make_backend)
+        return _graph.GraphRunner(
+            type(self).__name__, self._fn, self._warmup, make_backend, self._lock
+        )
 
     def _current_runner(self) -> _graph.GraphRunner | None:
         return self._graphs.get((self._mode(), None))

@@ -12,7 +12,9 @@ there. When not, the graph is captured again, with a :class:`RecaptureWarning`.
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -46,14 +48,26 @@ RecaptureWarning.__module__ = "cudagraph_td"  # where users import it from
 
 
 def module_entries(path: str, module: nn.Module) -> Iterator[Entry]:
-    """The parameters and buffers of ``module`` and its submodules, where each is bound."""
+    """The submodules, parameters and buffers of ``module`` and of its submodules, where
+    each is bound."""
     for name, sub in module.named_modules():
-        parts = [f"[{part}]" if part.isdigit() else f".{part}" for part in name.split(".") if part]
-        where = path + "".join(parts)
+        where = path + "".join(map(_part, name.split("."))) if name else path
+        for key, child in sub._modules.items():
+            yield where + _part(key), sub._modules, key, child
         for holder in (sub._parameters, sub._buffers):
             for key, value in holder.items():
                 if value is not None:
                     yield f"{where}.{key}", holder, key, value
+
+
+def modules_entries(modules: Mapping[str, nn.Module]) -> list[Entry]:
+    """The entries of each of ``modules`` (by path), as :func:`module_entries` lists them."""
+    return [entry for path, module in modules.items() for entry in module_entries(path, module)]
+
+
+def _part(name: str) -> str:
+    """A submodule's name in a path: ``[0]`` for an index (a Sequential's), else ``.name``."""
+    return f"[{name}]" if name.isdigit() else f".{name}"
 
 
 def optimizer_entries(path: str, optimizer: torch.optim.Optimizer) -> Iterator[Entry]:
@@ -75,8 +89,10 @@ class State:
     """The state a captured graph reads besides its inputs, and whether it is still there.
 
     Tensors are followed by address (the ``data_ptr`` of what their dict holds now) and, for
-    a graph that hands them to autograd or steps them (``identity``), by identity too; an
-    optimizer's ``state`` and ``param_groups`` by identity.
+    a graph that hands them to autograd or steps them (``identity``), by identity too; the
+    submodules of each module by identity, as the whole list of a module's children (one
+    added or removed changes what a ``Sequential`` runs); an optimizer's ``state`` and
+    ``param_groups`` by identity.
     """
 
     def __init__(self, entries: list[Entry], *, identity: bool):
@@ -86,14 +102,21 @@ class State:
         self.identity = identity
         self.entries = [(*entry, _address(entry[3])) for entry in unique.values()]
         tensors = [e for e in self.entries if e[4] is not None]
-        objects = [e for e in self.entries if e[4] is None or identity]
+        children = [e for e in self.entries if isinstance(e[3], nn.Module)]
+        objects = [
+            e
+            for e in self.entries
+            if (e[4] is None and not isinstance(e[3], nn.Module)) or (e[4] is not None and identity)
+        ]
+        # Each module's children, whole: (where, their dict, its values at capture).
+        self.children = [
+            (_parent(e[0]), e[1], [*e[1].values()])
+            for e in {id(e[1]): e for e in children}.values()
+        ]
         self.fresh: Callable[[], bool] = _fresh_check(
-            [e[1] for e in tensors],
-            [e[2] for e in tensors],
-            [e[4] for e in tensors],
-            [e[1] for e in objects],
-            [e[2] for e in objects],
-            [e[3] for e in objects],
+            ([e[1] for e in tensors], [e[2] for e in tensors], [e[4] for e in tensors]),
+            ([c[1] for c in self.children], [v for c in self.children for v in c[2]]),
+            ([e[1] for e in objects], [e[2] for e in objects], [e[3] for e in objects]),
         )
 
     def changes(self) -> list[str]:
@@ -105,6 +128,9 @@ class State:
                 address is not None and _address(now) != address
             ):
                 changed.append(path)
+        for where, children, before in self.children:
+            if len(children) != len(before):
+                changed.append(f"{where} (submodules added or removed)")
         return changed
 
     def recapture(self, name: str) -> None:
@@ -120,35 +146,46 @@ def _address(value: Any) -> int | None:
     return _data_ptr(value) if isinstance(value, torch.Tensor) else None
 
 
+def _parent(path: str) -> str:
+    """The path of the module that holds the submodule at ``path``."""
+    return re.sub(r"(\[\d+\]|\.[^.\[]+)$", "", path)
+
+
+Holders = list[Mapping[Any, Any]]
+
+
 def _fresh_check(
-    holders: list[Mapping[Any, Any]],
-    keys: list[Any],
-    addresses: list[int | None],
-    object_holders: list[Mapping[Any, Any]],
-    object_keys: list[Any],
-    objects: list[Any],
+    tensors: tuple[Holders, list[Any], list[int | None]],
+    children: tuple[Holders, list[Any]],
+    objects: tuple[Holders, list[Any], list[Any]],
 ) -> Callable[[], bool]:
     """``State.fresh``: a closure over flat lists (no reference to the State, so no cycle),
-    whose checks are mapped in C, without a Python loop per tensor."""
-    if not objects:
+    whose checks are mapped in C, without a Python loop per tensor or module.
 
-        def fresh() -> bool:
-            try:
-                return [*map(_data_ptr, map(getitem, holders, keys))] == addresses
-            except (KeyError, TypeError):  # an entry deleted, or set to None
-                return False
+    ``tensors``: where each tensor is bound, and its address; ``children``: the modules'
+    dicts of children, and all their values; ``objects``: where each object followed by
+    identity is bound, and the object.
+    """
+    holders, keys, addresses = tensors
+    child_dicts, child_values = children
+    object_holders, object_keys, values = objects
 
-        return fresh
-
-    def fresh_and_same() -> bool:
+    def fresh() -> bool:
         try:
-            return [*map(_data_ptr, map(getitem, holders, keys))] == addresses and all(
-                map(is_, map(getitem, object_holders, object_keys), objects)
+            return (
+                [*map(_data_ptr, map(getitem, holders, keys))] == addresses
+                # Lists of modules compare by identity (`nn.Module` defines no `==`).
+                and [*_chain(map(_values, child_dicts))] == child_values
+                and all(map(is_, map(getitem, object_holders, object_keys), values))
             )
-        except (KeyError, TypeError):
+        except (KeyError, TypeError):  # an entry deleted, or set to None
             return False
 
-    return fresh_and_same
+    return fresh
+
+
+_chain = itertools.chain.from_iterable
+_values: Callable[[Any], Any] = dict.values  # the children dicts are `_modules` dicts
 
 
 # The packages whose frames stand between the user's call and a warning.

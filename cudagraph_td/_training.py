@@ -28,7 +28,7 @@ from torch import nn
 
 from . import _errors_state
 from ._compat import version
-from ._state import State, module_entries, optimizer_entries, rebound
+from ._state import State, modules_entries, optimizer_entries, rebound
 
 # How far the search for optimizers and modules follows references, and how many objects
 # it looks at: enough for agents that hold their networks and optimizers as attributes,
@@ -115,7 +115,7 @@ def find_state(root: Any) -> tuple[dict[str, torch.optim.Optimizer], dict[str, n
 def modules_state(fn: Any) -> State | None:
     """The parameters and buffers of the modules that ``fn`` reaches, followed by address and
     identity (see `_state`), or ``None`` if it reaches none."""
-    entries = [e for path, m in find_state(fn)[1].items() for e in module_entries(path, m)]
+    entries = modules_entries(find_state(fn)[1])
     return State(entries, identity=True) if entries else None
 
 
@@ -140,7 +140,7 @@ class Observation:
         self.modules = modules
         # Where the modules' parameters and buffers are bound, and the optimizers'
         # hyperparameters, before the call: what the call itself rebinds is its own output.
-        self._bound = [e for path, m in modules.items() for e in module_entries(path, m)]
+        self._bound = modules_entries(modules)
         self._groups = [
             (group, dict(group)) for opt in optimizers.values() for group in opt.param_groups
         ]
@@ -217,8 +217,7 @@ class Observation:
         skipped = {(id(entry[1]), entry[2]) for entry in own}
         entries = [
             entry
-            for path, module in self.modules.items()
-            for entry in module_entries(path, module)
+            for entry in modules_entries(self.modules)
             if (id(entry[1]), entry[2]) not in skipped
         ]
         if self.touched:

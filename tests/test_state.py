@@ -6,7 +6,9 @@ from __future__ import annotations
 import copy
 import re
 import threading
+import time
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -46,12 +48,21 @@ def _replace(net: nn.Sequential, how: str, backend: Backend) -> str:
     if how == "buffer":
         net[1].running_mean = torch.randn(16, device=backend.device)
         return "module[1].running_mean"
+    if how == "submodule":
+        net[2] = nn.ReLU()  # no state of its own: only what the Sequential runs changed
+        return "module[2]"
+    if how == "appended":
+        net.append(nn.Softplus())
+        return "module (submodules added or removed)"
+    if how == "deleted":
+        del net[2]
+        return "module[2]"
     assert how == "to"
     net.to(torch.float64)
     return "module[0].weight"
 
 
-REPLACEMENTS = ["attribute", "assign", "data", "buffer", "to"]
+REPLACEMENTS = ["attribute", "assign", "data", "buffer", "to", "submodule", "appended", "deleted"]
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
@@ -256,6 +267,54 @@ def test_threads_sharing_a_wrapper_get_their_own_results(backend: Backend) -> No
                 torch.testing.assert_close(out, net(x))
     (runner,) = graphed._graphs.values()  # one graph, shared
     assert runner.captured is not None
+
+
+def test_wrappers_calling_each_other_from_two_threads_do_not_deadlock(backend: Backend) -> None:
+    # An agent's step that calls a graphed policy, in one thread, while another thread calls
+    # the policy itself, both from their first calls. The first thread warms its wrapper up
+    # (under the capture lock) and then calls the policy; the second holds the policy's lock
+    # and waits for the capture lock: it must let go of the policy's lock while it waits.
+    net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2)).to(backend.device)
+    policy = backend.wrap(net, warmup=2)
+    started = threading.Event()
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        started.set()
+        time.sleep(0.2)  # the other thread's first call to the policy starts meanwhile
+        return policy(x) + 1
+
+    agent = backend.wrap(step, warmup=50)  # warm-ups only: the function runs at each call
+    step_inputs = [backend.randn(3, 4) for _ in range(3)]
+    policy_inputs = [backend.randn(3, 4) for _ in range(20)]
+    results: dict[str, list[torch.Tensor]] = {"step": [], "policy": []}
+    errors: list[BaseException] = []
+
+    def run(name: str, fn: Any, inputs: list[torch.Tensor]) -> None:
+        try:
+            if name == "policy":
+                started.wait()
+            with torch.no_grad():
+                results[name].extend(fn(x) for x in inputs)
+        except BaseException as err:  # reported by the main thread
+            errors.append(err)
+
+    threads = [
+        threading.Thread(target=run, args=("step", agent, step_inputs), daemon=True),
+        threading.Thread(target=run, args=("policy", policy, policy_inputs), daemon=True),
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    for thread in threads:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    assert not any(thread.is_alive() for thread in threads), "the two threads deadlocked"
+    assert not errors, errors[0]
+    with torch.no_grad():
+        for x, out in zip(step_inputs, results["step"], strict=True):
+            torch.testing.assert_close(out, net(x) + 1)
+        for x, out in zip(policy_inputs, results["policy"], strict=True):
+            torch.testing.assert_close(out, net(x))
+        assert policy.is_captured
 
 
 @requires_cuda
