@@ -18,7 +18,7 @@ import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from operator import getitem, is_
+from operator import getitem
 from typing import Any
 
 import tensordict
@@ -70,14 +70,20 @@ def _part(name: str) -> str:
     return f"[{name}]" if name.isdigit() else f".{name}"
 
 
-def optimizer_entries(path: str, optimizer: torch.optim.Optimizer) -> Iterator[Entry]:
+def optimizer_entries(
+    path: str,
+    optimizer: torch.optim.Optimizer,
+    followed: set[int] = frozenset(),  # type: ignore[assignment]
+) -> Iterator[Entry]:
     """An optimizer's ``state`` and ``param_groups`` (``load_state_dict`` replaces both), and
-    the tensors it steps, each in a dict of its own: their addresses are followed."""
+    the tensors it steps that are not ``followed`` already (by ``id``: those of the modules),
+    each in a dict of its own: their addresses are followed."""
     for key in ("state", "param_groups"):
         yield f"{path}.{key}", optimizer.__dict__, key, optimizer.__dict__[key]
     for i, group in enumerate(optimizer.param_groups):
         for j, p in enumerate(group["params"]):
-            yield f"{path}.param_groups[{i}]['params'][{j}]", {0: p}, 0, p
+            if id(p) not in followed:
+                yield f"{path}.param_groups[{i}]['params'][{j}]", {0: p}, 0, p
 
 
 def rebound(entries: list[Entry]) -> list[Entry]:
@@ -102,21 +108,24 @@ class State:
         self.identity = identity
         self.entries = [(*entry, _address(entry[3])) for entry in unique.values()]
         tensors = [e for e in self.entries if e[4] is not None]
-        children = [e for e in self.entries if isinstance(e[3], nn.Module)]
-        objects = [
-            e
-            for e in self.entries
-            if (e[4] is None and not isinstance(e[3], nn.Module)) or (e[4] is not None and identity)
-        ]
+        modules = [e for e in self.entries if isinstance(e[3], nn.Module)]
+        others = [e for e in self.entries if e[4] is None and not isinstance(e[3], nn.Module)]
         # Each module's children, whole: (where, their dict, its values at capture).
         self.children = [
-            (_parent(e[0]), e[1], [*e[1].values()])
-            for e in {id(e[1]): e for e in children}.values()
+            (_parent(e[0]), e[1], [*e[1].values()]) for e in {id(e[1]): e for e in modules}.values()
         ]
+        bound = tensors + others
         self.fresh: Callable[[], bool] = _fresh_check(
-            ([e[1] for e in tensors], [e[2] for e in tensors], [e[4] for e in tensors]),
-            ([c[1] for c in self.children], [v for c in self.children for v in c[2]]),
-            ([e[1] for e in objects], [e[2] for e in objects], [e[3] for e in objects]),
+            [e[1] for e in bound],
+            [e[2] for e in bound],
+            tensors=len(tensors),
+            expected=[
+                *(e[4] for e in tensors),  # the addresses of the tensors
+                *(id(e[3]) for e in (bound if identity else others)),
+                *(value for c in self.children for value in c[2]),
+            ],
+            identity=identity,
+            children=[c[1] for c in self.children],
         )
 
     def changes(self) -> list[str]:
@@ -151,37 +160,50 @@ def _parent(path: str) -> str:
     return re.sub(r"(\[\d+\]|\.[^.\[]+)$", "", path)
 
 
-Holders = list[Mapping[Any, Any]]
-
-
 def _fresh_check(
-    tensors: tuple[Holders, list[Any], list[int | None]],
-    children: tuple[Holders, list[Any]],
-    objects: tuple[Holders, list[Any], list[Any]],
+    holders: list[Mapping[Any, Any]],
+    keys: list[Any],
+    *,
+    tensors: int,
+    expected: list[Any],
+    identity: bool,
+    children: list[Mapping[Any, Any]],
 ) -> Callable[[], bool]:
-    """``State.fresh``: a closure over flat lists (no reference to the State, so no cycle),
-    whose checks are mapped in C, without a Python loop per tensor or module.
+    """``State.fresh``: a closure over flat lists (no reference to the State, so no cycle).
 
-    ``tensors``: where each tensor is bound, and its address; ``children``: the modules'
-    dicts of children, and all their values; ``objects``: where each object followed by
-    identity is bound, and the object.
+    What ``holders`` hold at ``keys`` (the first ``tensors`` of them tensors), and the
+    ``children`` dicts' modules, are gathered in one list, mapped in C (no Python loop per
+    tensor or module), and compared once with ``expected``: the tensors' addresses, then
+    the ``id`` of each object followed by identity (all, for an ``identity`` graph, else
+    those that are not tensors), then the children (compared by identity: `nn.Module`
+    defines no ``==``). The ``id``s are stable: the State holds the objects.
     """
-    holders, keys, addresses = tensors
-    child_dicts, child_values = children
-    object_holders, object_keys, values = objects
+    start = 0 if identity else tensors  # the first one followed by identity
+    if start == len(holders):  # addresses only (and the children): no list to slice
 
-    def fresh() -> bool:
+        def fresh() -> bool:
+            try:
+                return [
+                    *map(_data_ptr, map(getitem, holders, keys)),
+                    *_chain(map(_values, children)),
+                ] == expected
+            except (KeyError, TypeError):  # an entry deleted, or set to None
+                return False
+
+        return fresh
+
+    def fresh_and_same() -> bool:
         try:
-            return (
-                [*map(_data_ptr, map(getitem, holders, keys))] == addresses
-                # Lists of modules compare by identity (`nn.Module` defines no `==`).
-                and [*_chain(map(_values, child_dicts))] == child_values
-                and all(map(is_, map(getitem, object_holders, object_keys), values))
-            )
-        except (KeyError, TypeError):  # an entry deleted, or set to None
+            held = [*map(getitem, holders, keys)]
+            return [
+                *map(_data_ptr, held[:tensors]),
+                *map(id, held[start:]),
+                *_chain(map(_values, children)),
+            ] == expected
+        except (KeyError, TypeError):
             return False
 
-    return fresh
+    return fresh_and_same
 
 
 _chain = itertools.chain.from_iterable

@@ -221,8 +221,9 @@ class Observation:
             if (id(entry[1]), entry[2]) not in skipped
         ]
         if self.touched:
+            followed = {id(entry[3]) for entry in entries}
             for path, opt in self._stepped().items():
-                entries += optimizer_entries(path, opt)
+                entries += optimizer_entries(path, opt, followed)
         return State(entries, identity=identity) if entries else None
 
 
