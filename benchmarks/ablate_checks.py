@@ -1,11 +1,15 @@
-"""Ablation of the per-call checks on the TensorDict policy of workload c (CPU us per call).
+"""Ablation of the per-call checks (CPU us per call).
 
-Times, interleaved: the version before the checks (benchmarks/baseline, if made), the
-current wrapper, the same with its state check removed, and each check alone.
+On the TensorDict policy of workload c, times, interleaved: the version before the checks
+(benchmarks/baseline, if made), the current wrapper, the same with its state check removed,
+and each check alone. On the SAC update of workload d (``--sac``): the version before and
+the current one, the state check and the training step's watch alone, then a profile of
+the current call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 import sys
@@ -72,10 +76,59 @@ def main() -> None:
         print(f"{name:32s} {statistics.median(times):8.3f} us")
 
 
+def sac() -> None:
+    import cProfile
+    import importlib
+    import pstats
+
+    device = torch.device("cuda")
+    with contextlib.suppress(ImportError):  # no baseline made
+        workloads.BASELINE = importlib.import_module("cudagraph_td_baseline")
+    workload = workloads.sac_update(device)
+    now = workload.variants["cudagraph_td"]()
+    calls: dict[str, Any] = {"now": now}
+    if workloads.BEFORE in workload.variants:
+        calls["before"] = workload.variants[workloads.BEFORE]()
+    for _ in range(4):
+        for call in calls.values():
+            call()
+    wrapper = next(  # the wrapper that the call calls
+        cell.cell_contents
+        for cell in now.__closure__  # type: ignore[attr-defined]
+        if isinstance(cell.cell_contents, CudaGraphModule)
+    )
+    captured = wrapper._current_runner().captured
+    calls["State.fresh alone"] = captured.state.fresh
+    calls["watch alone"] = captured._watch
+    _time(calls)
+    print("entries followed:", len(captured.state.entries))
+    profile = cProfile.Profile()
+    profile.runcall(lambda: [now() for _ in range(2000)])
+    torch.cuda.synchronize()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(15)
+
+
+def _time(calls: dict[str, Any]) -> None:
+    per: dict[str, list[float]] = {k: [] for k in calls}
+    names = list(calls)
+    rng = random.Random(0)
+    for _ in range(300):
+        rng.shuffle(names)
+        for name in names:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(8):
+                calls[name]()
+            per[name].append((time.perf_counter() - start) / 8 * 1e6)
+    torch.cuda.synchronize()
+    for name, times in per.items():
+        print(f"{name:32s} {statistics.median(times):8.3f} us")
+
+
 def _locked(lock: Any) -> None:
     with lock:
         pass
 
 
 if __name__ == "__main__":
-    main()
+    sac() if "--sac" in sys.argv else main()
