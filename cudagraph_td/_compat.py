@@ -32,14 +32,6 @@ _holder = getattr(probabilistic, "_interaction_type", None)
 interaction_type: Callable[[], Any] = getattr(_holder, "get_mode", probabilistic.interaction_type)
 
 
-# `torch._C._tensors_data_ptrs_at_indices_equal(tensors, data_ptrs, indices)`: whether the
-# tensors at `indices` have those addresses, in one C call (torch.compile's CUDA graph trees
-# check their static inputs with it). CUDA builds only; checked with torch 2.11 and 2.13.
-tensors_data_ptrs_equal: Callable[[list[Any], list[int], list[int]], bool] | None = getattr(
-    torch._C, "_tensors_data_ptrs_at_indices_equal", None
-)
-
-
 def graph_replay(graph: Any) -> Callable[[], None]:
     """``graph.replay``, without the Python frame that ``torch.cuda.CUDAGraph.replay`` adds.
 

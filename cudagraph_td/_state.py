@@ -25,7 +25,7 @@ import tensordict
 import torch
 from torch import nn
 
-from . import _compat, _errors_state
+from . import _errors_state
 
 # Where a piece of state is bound: its path (for messages), the dict that holds it, its key
 # there, and what the key held at capture. The dict is a module's `_parameters` or
@@ -179,25 +179,6 @@ def _fresh_check(
     defines no ``==``). The ``id``s are stable: the State holds the objects.
     """
     start = 0 if identity else tensors  # the first one followed by identity
-    in_c = _compat.tensors_data_ptrs_equal if tensors >= _IN_C else None
-    if in_c is not None:  # many tensors: their addresses compared in one C call
-        addresses, rest, indices = expected[:tensors], expected[tensors:], [*range(tensors)]
-
-        def fresh_in_c() -> bool:
-            try:
-                held = [*map(getitem, holders, keys)]
-                return (
-                    in_c(held, addresses, indices)
-                    and [
-                        *map(id, held[start:]),
-                        *_chain(map(_values, children)),
-                    ]
-                    == rest
-                )
-            except (KeyError, TypeError, RuntimeError):  # deleted; None (not a tensor in C)
-                return False
-
-        return fresh_in_c
     if start == len(holders):  # addresses only (and the children): no list to slice
 
         def fresh() -> bool:
@@ -225,10 +206,6 @@ def _fresh_check(
     return fresh_and_same
 
 
-# From how many tensors their addresses are compared in one C call, where torch has it: on
-# the H100 host measured, it costs 1.6 us for 6 tensors and 2.2 us for 18, against 1.7 and
-# 3.0 us for `data_ptr` mapped in Python (`benchmarks/state_checks.py`).
-_IN_C = 16
 _chain = itertools.chain.from_iterable
 _values: Callable[[Any], Any] = dict.values  # the children dicts are `_modules` dicts
 

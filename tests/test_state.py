@@ -15,8 +15,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from cudagraph_td import CudaGraphModule, RecaptureWarning, _compat
-from cudagraph_td._state import State, modules_entries
+from cudagraph_td import CudaGraphModule, RecaptureWarning
 
 from .conftest import Backend, requires_cuda
 from .test_whole_step import _agent
@@ -334,32 +333,3 @@ def test_a_call_on_another_stream_waits_for_the_last_call() -> None:
         torch.cuda.synchronize()
     torch.testing.assert_close(out, torch.full((1024,), 2.0, device="cuda"))
     torch.testing.assert_close(other, torch.full((1024,), 6.0, device="cuda"))
-
-
-@pytest.mark.parametrize("identity", [False, True], ids=["address", "identity"])
-def test_many_tensors_are_checked_by_torchs_address_check(
-    monkeypatch: pytest.MonkeyPatch, identity: bool
-) -> None:
-    # torch's C address check (CUDA builds only), taken from 16 tensors, stood in for by the
-    # same check in Python, so that its path runs on every machine.
-    def equal(tensors: list[torch.Tensor], ptrs: list[int], indices: list[int]) -> bool:
-        return all(torch.Tensor.data_ptr(tensors[i]) == ptrs[i] for i in indices)
-
-    monkeypatch.setattr(_compat, "tensors_data_ptrs_equal", equal)
-
-    def state() -> tuple[nn.Sequential, State]:
-        net = nn.Sequential(*[nn.Linear(4, 4) for _ in range(9)])  # 18 tensors
-        return net, State(modules_entries({"module": net}), identity=identity)
-
-    net, followed = state()
-    assert followed.fresh()
-    net[3].weight.data = torch.randn(4, 4)
-    assert not followed.fresh()
-    assert followed.changes() == ["module[3].weight"]
-    net, followed = state()
-    net[8].bias = None
-    assert not followed.fresh()
-    net, followed = state()
-    net[5] = nn.Linear(4, 4)
-    assert not followed.fresh()
-    assert followed.changes()[0].startswith("module[5]")
