@@ -60,20 +60,7 @@ def main() -> None:
             "any autocast alone": torch._C._is_any_autocast_enabled,
             "get_ident alone": threading.get_ident,
         }
-        per: dict[str, list[float]] = {k: [] for k in calls}
-        names = list(calls)
-        rng = random.Random(0)
-        for _ in range(400):
-            rng.shuffle(names)
-            for name in names:
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(16):
-                    calls[name]()
-                per[name].append((time.perf_counter() - start) / 16 * 1e6)
-        torch.cuda.synchronize()
-    for name, times in per.items():
-        print(f"{name:32s} {statistics.median(times):8.3f} us")
+        _time(calls, rounds=400, burst=16)
 
 
 def sac() -> None:
@@ -100,7 +87,7 @@ def sac() -> None:
     captured = wrapper._current_runner().captured
     calls["State.fresh alone"] = captured.state.fresh
     calls["watch alone"] = captured._watch
-    _time(calls)
+    _time(calls, rounds=300, burst=8)
     print("entries followed:", len(captured.state.entries))
     profile = cProfile.Profile()
     profile.runcall(lambda: [now() for _ in range(2000)])
@@ -108,18 +95,20 @@ def sac() -> None:
     pstats.Stats(profile).sort_stats("tottime").print_stats(15)
 
 
-def _time(calls: dict[str, Any]) -> None:
+def _time(calls: dict[str, Any], *, rounds: int, burst: int) -> None:
+    """Print the median CPU time of each call, over ``rounds`` bursts of ``burst`` calls,
+    one burst of each in turn, in a new random order each round."""
     per: dict[str, list[float]] = {k: [] for k in calls}
     names = list(calls)
     rng = random.Random(0)
-    for _ in range(300):
+    for _ in range(rounds):
         rng.shuffle(names)
         for name in names:
             torch.cuda.synchronize()
             start = time.perf_counter()
-            for _ in range(8):
+            for _ in range(burst):
                 calls[name]()
-            per[name].append((time.perf_counter() - start) / 8 * 1e6)
+            per[name].append((time.perf_counter() - start) / burst * 1e6)
     torch.cuda.synchronize()
     for name, times in per.items():
         print(f"{name:32s} {statistics.median(times):8.3f} us")
