@@ -65,7 +65,8 @@ def recaptured(name: str, changed: list[str]) -> str:
         "(a new tensor, new memory or a new submodule: an attribute rebound, "
         "`load_state_dict(assign=True)`, `.data = ...`, `.to(...)`, `net[0] = ...`, or an "
         "optimizer's `load_state_dict`). The graph read the old state, so it is captured "
-        "again for the new state: the next calls warm up and capture as the first ones did. Update state in place (`load_state_dict(sd)`, `copy_`) to keep the graph. "
+        "again for the new state: the next calls warm up and capture as the first ones did. "
+        "Update state in place (`load_state_dict(sd)`, `copy_`) to keep the graph. "
         "To refuse instead, turn this warning into an error: "
         "`warnings.simplefilter('error', cudagraph_td.RecaptureWarning)`."
     )
@@ -87,6 +88,7 @@ def replaced_after_capture(name: str, changed: list[str]) -> RuntimeError:
     shown = ", ".join(f"`{path}`" for path in changed[:5])
     return RuntimeError(
         f"{name}: state that the graph reads was replaced after the capture: {shown} (a new "
-        "tensor, new memory or a new submodule), and the graph still reads the old state. Update it in place "
-        "(`load_state_dict(sd)`, `copy_`), or call make_graphed_callables again."
+        "tensor, new memory or a new submodule), and the graph still reads the old state. "
+        "Update it in place (`load_state_dict(sd)`, `copy_`), or call make_graphed_callables "
+        "again."
     )
