@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -77,6 +79,32 @@ def counting(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     wrapper.calls = 0  # type: ignore[attr-defined]
     return wrapper
+
+
+def run_threads(*targets: Callable[[], None], timeout: float = 60.0) -> None:
+    """Run each of ``targets`` in a thread of its own, all at once, and wait for them.
+
+    Fails if a thread still runs after ``timeout`` seconds (they wait for each other: a
+    deadlock; daemon threads, so that they do not hold the test run), else re-raises the
+    first error raised in a thread.
+    """
+    errors: list[BaseException] = []
+
+    def run(target: Callable[[], None]) -> None:
+        try:
+            target()
+        except BaseException as err:  # reported by the calling thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(t,), daemon=True) for t in targets]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    alive = sum(thread.is_alive() for thread in threads)
+    assert not alive, f"{alive} of {len(threads)} threads still run after {timeout} s: a deadlock"
+    assert not errors, errors[0]
 
 
 # Figures that reliability tests measure (cases tried, memory before and after a long run),

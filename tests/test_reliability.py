@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import sys
@@ -15,7 +16,7 @@ from torch import nn
 
 from cudagraph_td import CudaGraphModule
 
-from .conftest import Backend, record, requires_cuda
+from .conftest import Backend, record, requires_cuda, run_threads
 
 
 def _policy(backend: Backend) -> TensorDictModule:
@@ -112,26 +113,17 @@ def test_threads_replaying_their_own_wrappers_do_not_interfere(backend: Backend)
         for wrapper in wrappers:
             for _ in range(3):
                 wrapper(torch.randn(5, 4, device=backend.device))
-    errors: list[BaseException] = []
     barrier = threading.Barrier(2)
 
     def drive(i: int) -> None:
-        try:
-            barrier.wait()
-            with torch.no_grad():
-                for _ in range(200):
-                    x = torch.randn(5, 4, device=backend.device)
-                    out = wrappers[i](x)
-                    torch.testing.assert_close(out, nets[i](x))
-        except BaseException as err:  # reported by the main thread
-            errors.append(err)
+        barrier.wait()
+        with torch.no_grad():
+            for _ in range(200):
+                x = torch.randn(5, 4, device=backend.device)
+                out = wrappers[i](x)
+                torch.testing.assert_close(out, nets[i](x))
 
-    threads = [threading.Thread(target=drive, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors[0]
+    run_threads(*(functools.partial(drive, i) for i in range(2)))
 
 
 @requires_cuda

@@ -4,6 +4,7 @@ after the capture are followed (a new capture) or refused, never replayed stale.
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import threading
 import time
@@ -17,7 +18,7 @@ from torch import nn
 
 from cudagraph_td import CudaGraphModule, RecaptureWarning
 
-from .conftest import Backend, requires_cuda
+from .conftest import Backend, requires_cuda, run_threads
 from .test_whole_step import _agent
 
 
@@ -244,23 +245,14 @@ def test_threads_sharing_a_wrapper_get_their_own_results(backend: Backend) -> No
     # (torch's CUDA generator is marked as capturing, for every thread).
     inputs = [[backend.randn(5, 4) + i for _ in range(150)] for i in range(4)]
     outputs: list[list[torch.Tensor]] = [[] for _ in range(4)]
-    errors: list[BaseException] = []
     barrier = threading.Barrier(4)
 
     def serve(i: int) -> None:
-        try:
-            barrier.wait()
-            with torch.no_grad():
-                outputs[i].extend(graphed(x) for x in inputs[i])
-        except BaseException as err:  # reported by the main thread
-            errors.append(err)
+        barrier.wait()
+        with torch.no_grad():
+            outputs[i].extend(graphed(x) for x in inputs[i])
 
-    threads = [threading.Thread(target=serve, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors[0]
+    run_threads(*(functools.partial(serve, i) for i in range(4)))
     with torch.no_grad():
         for i in range(4):
             for x, out in zip(inputs[i], outputs[i], strict=True):
@@ -287,28 +279,18 @@ def test_wrappers_calling_each_other_from_two_threads_do_not_deadlock(backend: B
     step_inputs = [backend.randn(3, 4) for _ in range(3)]
     policy_inputs = [backend.randn(3, 4) for _ in range(20)]
     results: dict[str, list[torch.Tensor]] = {"step": [], "policy": []}
-    errors: list[BaseException] = []
 
     def run(name: str, fn: Any, inputs: list[torch.Tensor]) -> None:
-        try:
-            if name == "policy":
-                started.wait()
-            with torch.no_grad():
-                results[name].extend(fn(x) for x in inputs)
-        except BaseException as err:  # reported by the main thread
-            errors.append(err)
+        if name == "policy":
+            started.wait()
+        with torch.no_grad():
+            results[name].extend(fn(x) for x in inputs)
 
-    threads = [
-        threading.Thread(target=run, args=("step", agent, step_inputs), daemon=True),
-        threading.Thread(target=run, args=("policy", policy, policy_inputs), daemon=True),
-    ]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + 30
-    for thread in threads:
-        thread.join(timeout=max(0.0, deadline - time.monotonic()))
-    assert not any(thread.is_alive() for thread in threads), "the two threads deadlocked"
-    assert not errors, errors[0]
+    run_threads(
+        functools.partial(run, "step", agent, step_inputs),
+        functools.partial(run, "policy", policy, policy_inputs),
+        timeout=30,
+    )
     with torch.no_grad():
         for x, out in zip(step_inputs, results["step"], strict=True):
             torch.testing.assert_close(out, net(x) + 1)
