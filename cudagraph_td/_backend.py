@@ -39,7 +39,13 @@ def check_options(backend: str, capture_error_mode: str) -> None:
 
 
 def make_backend(
-    name: str, device: torch.device | None, pool: Any, capture_error_mode: str, inputs: Any
+    name: str,
+    device: torch.device | None,
+    pool: Any,
+    capture_error_mode: str,
+    inputs: Any,
+    *,
+    shared_by_owner: bool = False,
 ) -> Backend:
     """The backend called ``name``; a CUDA one on ``device``, else on the inputs' device."""
     if name == "emulate":
@@ -56,7 +62,7 @@ def make_backend(
         )
     if device is None or device.index is None:  # "cuda" alone means the current device
         device = torch.device("cuda", torch.cuda.current_device())
-    return CudaBackend(device, pool, capture_error_mode)
+    return CudaBackend(device, pool, capture_error_mode, shared_by_owner=shared_by_owner)
 
 
 class Graph(Protocol):
@@ -72,6 +78,10 @@ class Backend(Protocol):
 
     def warmup(self, fn: Callable[[], T]) -> T: ...
 
+    def for_autograd(self) -> Backend:
+        """The backend that captures a forward and backward pair (see `CudaBackend`)."""
+        ...
+
     def capture(self, fn: Callable[[], T], like: T) -> tuple[Graph, T]:
         """Record ``fn``; return the graph and its static outputs, shaped as ``like``.
 
@@ -82,23 +92,58 @@ class Backend(Protocol):
         ...
 
 
+# One side stream per device, for every backend (see `CudaBackend`). The caching allocator
+# keeps freed memory per stream, and cuBLAS a 32 MiB workspace per stream (on Hopper): a
+# stream per wrapper would leave that much cached per wrapper, which no other one reuses.
+_side_streams: dict[torch.device, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(device)
+    return stream
+
+
 class CudaBackend:
-    """Warm-up on a side stream, capture on a capture stream, one memory pool per graph."""
+    """Warm-up and capture on the device's side stream, into the given memory pool.
+
+    ``pool`` is the pool of the owner's graphs (``None``: a new one per capture);
+    ``shared_by_owner`` says that the owner chose it for all its graphs, so that a graph
+    captured for autograd takes a pool of its own instead (see :meth:`for_autograd`).
+    """
 
     reruns_python = False
 
-    def __init__(self, device: torch.device, pool: Any = None, capture_error_mode: str = "global"):
+    def __init__(
+        self,
+        device: torch.device,
+        pool: Any = None,
+        capture_error_mode: str = "global",
+        *,
+        shared_by_owner: bool = False,
+    ):
         self.device = device
         self.pool = pool
         self.capture_error_mode = capture_error_mode
+        self.shared_by_owner = shared_by_owner
         # A side stream: the warm-up runs off the caller's stream so that lazy
         # initialisations (cuBLAS workspaces, autograd and optimizer state) happen before the
         # capture and not inside it. The capture runs on the same stream: autograd ties each
         # parameter's gradient accumulation to the stream of the forward that first used it,
         # and a warm-up result still alive during the capture (the capturing call's result)
-        # would otherwise tie it to another stream than the captured backward's.
-        self._side_stream = torch.cuda.Stream(device)
+        # would otherwise tie it to another stream than the captured backward's. Warm-ups
+        # and captures hold the process's capture lock: one stream serves every wrapper.
+        self._side_stream = _side_stream(device)
         self._capture_stream = self._side_stream
+
+    def for_autograd(self) -> CudaBackend:
+        """The backend of a forward and backward pair: a pool of their own, unless the user
+        gave one. What the forward saves for the backward stays in the pool between the two
+        replays, while the owner's other graphs may replay and reuse the pool's free memory."""
+        if not self.shared_by_owner:
+            return self
+        return CudaBackend(self.device, None, self.capture_error_mode)
 
     def warmup(self, fn: Callable[[], T]) -> T:
         current = torch.cuda.current_stream(self.device)
@@ -207,6 +252,9 @@ class EmulatedBackend:
 
     def warmup(self, fn: Callable[[], T]) -> T:
         return fn()
+
+    def for_autograd(self) -> EmulatedBackend:
+        return self
 
     def capture(self, fn: Callable[[], T], like: T) -> tuple[Graph, T]:
         leaves, spec = _tree.flatten(like)

@@ -55,6 +55,11 @@ class GraphCall:
         if one and not mutated and watch is None:
             self.bare = (self._static_inputs, outputs.static[0], self._replay)
 
+    def rows(self, signature: Signature, outputs: Outputs) -> GraphCall:
+        """This graph replayed on fewer rows: ``signature``'s static inputs and ``outputs``'
+        static tensors are views of the first rows of this graph's (a bucket's graph)."""
+        return GraphCall(signature, self.graph, outputs, self._mutated, self._watch, self.state)
+
     def launch(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """Copy ``tensors`` (checked) into the static inputs, replay, return fresh outputs."""
         if self._watch is not None:  # a training step: its gradients and hyperparameters
@@ -98,7 +103,9 @@ def capture(
     if grad and _path_requiring_grad(result):
         # Autograd holds the parameters it differentiates: they are followed by identity too.
         follow = functools.partial(observed.state, name, identity=True)
-        call = capture_differentiable(name, fn, signature, backend, result, inputs, mutated, follow)
+        call = capture_differentiable(
+            name, fn, signature, backend.for_autograd(), result, inputs, mutated, follow
+        )
         return call, result
     for t, path in zip(signature.static_inputs, signature.tensor_paths(), strict=True):
         if t.requires_grad:
@@ -191,6 +198,10 @@ class GraphRunner:
         self.captured: _replay.Captured | None = None
         # The owner's replay path for this graph, built once it is captured.
         self.replay: _replay.ReplayFunction | None = None
+
+    def skip_warmup(self) -> None:
+        """Capture at the next call: another graph's warm-ups did the lazy initialisations."""
+        self.counter = max(self.counter, self.warmup - 1)
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.captured is not None:

@@ -10,38 +10,17 @@ from typing import Any, Literal
 
 import torch
 
-from . import _errors, _graph, _replay, _tdmodule, _verify
+from . import _errors, _errors_shapes, _graph, _modes, _replay, _shapes, _tdmodule, _verify
 from ._backend import Backend, check_options, make_backend
 from ._compat import interaction_type
+from ._modes import Mode, any_autocast, autocast_state
 from ._replay import MISS
 
 BackendName = Literal["auto", "cuda", "emulate"]
 
-# What changes what the function computes, and so needs a graph of its own: tensordict's
-# interaction type (a stochastic policy captured while sampling must not replay its samples
-# when called for its mode), grad mode (a graph captured for autograd under grad mode, a
-# plain one under no_grad), a module's training mode (dropout), and the autocast state
-# (None when autocast is off everywhere, else each device type's (enabled, dtype)).
-Mode = tuple[Any, bool, Any, Any]
-# A graph's key: its mode, and the call key that tells graphs of one mode apart (always
-# None: one graph per mode).
-GraphKey = tuple[Mode, Hashable]
-
 # Read at every call, so bound once.
 _is_grad_enabled = torch.is_grad_enabled
-_any_autocast = torch._C._is_any_autocast_enabled
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds only
-
-_AUTOCAST_DEVICES = ("cuda", "cpu")
-
-
-def _autocast_state() -> Any:
-    if not _any_autocast():
-        return None
-    return tuple(
-        (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        for device in _AUTOCAST_DEVICES
-    )
 
 
 class CudaGraphModule:
@@ -66,8 +45,9 @@ class CudaGraphModule:
     named by the ``in_keys``, returning the ``out_keys``' values; ``tensordict_out=`` is
     accepted.
 
-    The wrapper keeps one graph per mode that changes what the function computes: grad
-    mode, a module's training mode, and tensordict's interaction type. In grad mode, when
+    The wrapper keeps graphs per mode that changes what the function computes: grad
+    mode, a module's training mode, tensordict's interaction type and the autocast state;
+    and, with ``shapes=``, per input shape (see [several shapes][several-shapes]). In grad mode, when
     the captured outputs require grad, the forward and its backward are captured inside one
     autograd node (see [make_graphed_callables][cudagraph_td.make_graphed_callables]), so ``loss.backward()`` replays the
     backward graph; under ``torch.no_grad()`` a plain graph is captured.
@@ -86,8 +66,10 @@ class CudaGraphModule:
             ``module.out_keys`` when the module has them.
         device: The CUDA device of the graph. Defaults to the device of the first CUDA
             tensor input, else the current CUDA device.
-        pool: A memory pool (``torch.cuda.graph_pool_handle()``, or another graph's
-            ``pool()``) to share with other graphs. Defaults to a private pool.
+        pool: A memory pool (``torch.cuda.graph_pool_handle()``, another wrapper's
+            ``pool()``, or another graph's) to share with other graphs. Defaults to a pool
+            of the wrapper's own, shared by its graphs (a graph captured for autograd takes
+            one of its own).
         capture_error_mode: Passed to :meth:`torch.cuda.CUDAGraph.capture_begin`: one of
             ``"global"``, ``"thread_local"``, ``"relaxed"``.
         backend: ``"cuda"`` for CUDA graphs; ``"emulate"`` for the CPU emulation of their
@@ -100,11 +82,26 @@ class CudaGraphModule:
             first leaf that differs and its likely cause (see [sharp edges][sharp-edges]).
             A debugging aid: a verified replay synchronises the host and costs an eager
             call more. It cannot check a training step, nor a function that draws random
-            numbers. Defaults to 0.
+            numbers. Counted per graph. Defaults to 0.
+        shapes: ``"static"``: one graph (per mode); a call of other shapes raises.
+            ``"exact"``: a graph per input shapes, captured on first sight, each with its
+            own warm-up. ``"buckets"``: the batch dims of the inputs are padded to the next
+            bucket size, whose graph replays; outputs are sliced back. For functions whose
+            output rows depend on their own input row only; refused in grad mode unless
+            ``row_independent=True``.
+        buckets: The batch sizes of ``shapes="buckets"``; the first capture captures them
+            all, largest first. Defaults to powers of two, each captured on first sight.
+        max_graphs: The most graphs captured on first sight per mode; past it, a
+            [GraphLimitWarning][cudagraph_td.GraphLimitWarning], then ``overflow``.
+        batch_dims: The number of leading dims of every input that ``"buckets"`` pads.
+        overflow: What a call gets past ``max_graphs`` or above the largest bucket:
+            ``"eager"`` (the function, run eagerly) or ``"raise"`` (a ``RuntimeError``).
+        row_independent: Declares that each output row depends only on its input row and
+            that the function computes no loss over the batch: ``"buckets"`` then pads in
+            grad mode and training steps too.
 
     Raises:
-        ValueError: ``warmup``, ``capture_error_mode``, ``backend`` or ``verify`` has no valid
-            value.
+        ValueError: An option has no valid value.
         RuntimeError: ``backend="cuda"`` on a machine without CUDA.
 
     Example:
@@ -145,12 +142,21 @@ class CudaGraphModule:
         capture_error_mode: str = "global",
         backend: BackendName = "auto",
         verify: int = 0,
+        shapes: Literal["static", "exact", "buckets"] = "static",
+        buckets: list[int] | None = None,
+        max_graphs: int = 8,
+        batch_dims: int = 1,
+        overflow: Literal["eager", "raise"] = "eager",
+        row_independent: bool = False,
     ):
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise _errors.invalid_option("warmup", warmup, "an integer greater than 0")
         if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
             raise _errors.invalid_option("verify", verify, "an integer of 0 or more")
         check_options(backend, capture_error_mode)
+        self._shapes = _shapes.shape_options(
+            shapes, buckets, max_graphs, batch_dims, overflow, row_independent
+        )
         name = type(self).__name__
         if backend == "cuda" and not torch.cuda.is_available():
             raise _errors.no_cuda(name)
@@ -158,11 +164,13 @@ class CudaGraphModule:
         self._warmup = warmup
         self.in_keys, self.out_keys = _tdmodule.resolve_keys(name, module, in_keys, out_keys)
         self.device = None if device is None else torch.device(device)
-        self._pool = pool
         self._capture_error_mode = capture_error_mode
         self._backend_name: str = backend
         if backend == "auto":
             self._backend_name = "cuda" if torch.cuda.is_available() else "eager"
+        # One pool for the wrapper's graphs, unless the user gives one.
+        self._own_pool = pool is None and self._backend_name == "cuda"
+        self._pool = torch.cuda.graph_pool_handle() if self._own_pool else pool
         if self._backend_name == "eager":
             warnings.warn(
                 "CudaGraphModule is created on a machine without CUDA: calls run the function "
@@ -177,9 +185,11 @@ class CudaGraphModule:
             self._fn = _tdmodule.recording_writes(module)
             self._layer = _tdmodule.TensorDictLayer(name, self.in_keys, self.out_keys)
         self._has_training = hasattr(module, "training")
-        self._graphs: dict[GraphKey, _graph.GraphRunner] = {}
-        # The last call's mode and replay function (see `__call__`): none yet.
-        self._last: tuple[Any, ...] = (None, None, None, None, _not_captured)
+        self._graphs: dict[Mode, _shapes.Graphs] = {}
+        # Per mode, the calls that its replay path answered (see `__call__`).
+        self._hits: dict[Mode, list[int]] = {}
+        # The last call's mode, its replay path and its count (see `__call__`): none yet.
+        self._last: tuple[Any, ...] = (None, None, None, None, _not_captured, [0])
         # One call at a time: threads that share the wrapper take turns, so that none reads
         # another's static buffers (re-entrant: the function may call the wrapper).
         self._lock = threading.RLock()
@@ -188,29 +198,26 @@ class CudaGraphModule:
         self._raw_stream: int | None = None
         self._stream_device: int | None = None
 
-    def _mode(self) -> Mode:
-        training = getattr(self.module, "training", None)
-        return (interaction_type(), torch.is_grad_enabled(), training, _autocast_state())
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # The replay path. While the mode is the last call's (compared part by part, by
-        # identity: no tuple built), the last call's graph replays, through its replay
-        # function (see `_replay`), which answers MISS for a call it leaves to `_call`.
+        # identity: no tuple built), the last call's mode's replay path runs (see `_shapes`),
+        # which answers MISS for a call it leaves to `_call`.
         self._lock.acquire()
         try:
             if self._raw_stream is not None and self._raw_stream != _raw_stream(  # type: ignore[misc]
                 self._stream_device
             ):
                 self._follow_stream()  # a call on another stream than the last one
-            interaction, grad, training, autocast, replay = self._last
+            interaction, grad, training, autocast, replay, hits = self._last
             if (
                 interaction_type() is interaction
                 and _is_grad_enabled() is grad
                 and (not self._has_training or self.module.training is training)  # type: ignore[attr-defined]
-                and (not _any_autocast() if autocast is None else _autocast_state() == autocast)
+                and (not any_autocast() if autocast is None else autocast_state() == autocast)
             ):
                 out = replay(args, kwargs)
                 if out is not MISS:
+                    hits[0] += 1
                     return out
             return self._call(args, kwargs)
         finally:
@@ -226,57 +233,56 @@ class CudaGraphModule:
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The slow path: a warm-up, a capture, a replay checked in full, or a verified one."""
-        runner = self._select()
+        mode, graphs = self._select()
         verifier = self._verifier
-        backend = runner.backend
+        # While verify= is on, the slow path serves the replays still to check (see `_settled`).
+        copies = None if verifier is None else verifier.copy_inputs(args, kwargs)
+        if self._layer is not None:
+            out = self._layer.call(graphs, args, kwargs)
+        else:
+            out = graphs.run(args, kwargs)
+        backend = next((r.backend for r in graphs.runners.values() if r.backend), None)
         if self._stream_device is None and backend is not None and backend.device.type == "cuda":
             self._stream_device = backend.device.index  # from now on, calls follow streams
             self._follow_stream()
-        if verifier is not None and (runner.captured is None or not verifier.left):
-            verifier = None  # only replays are verified, and only the first ones
-        copies = None if verifier is None else verifier.copy_inputs(args, kwargs)
-        if self._layer is not None:
-            out = self._layer.call(runner, args, kwargs)
-        else:
-            out = runner.run(args, kwargs)
-        if verifier is not None:
-            assert runner.backend is not None and runner.captured is not None
+        served = graphs.replayed
+        if verifier is not None and served is not None and verifier.wants((mode, served[0])):
+            assert backend is not None
             with _graph.capture_turn(self._lock):  # the function runs only under it
                 verifier.check(
                     copies,
                     args,
                     kwargs,
                     out,
-                    device=runner.backend.device,
-                    training_step=runner.captured.training_step,
+                    device=backend.device,
+                    training_step=served[1].training_step,
+                    graph=(mode, served[0]),
                 )
-        self._select()  # the replay path, once captured (or once the last replay is verified)
+        graphs.learn(args, kwargs)  # the replay path, for calls like this one
+        self._last = (*mode, graphs.replay, self._hits.setdefault(mode, [0]))
         return out
 
-    def _select(self) -> _graph.GraphRunner:
-        """Choose the graph of the current call by its key (the one place that does), and make
-        its replay function the one that ``__call__`` tries."""
-        mode = self._mode()
-        key: GraphKey = (mode, None)
-        runner = self._graphs.get(key)
-        if runner is None:
-            runner = self._graphs[key] = self._new_runner()
-        if runner.captured is not None and runner.replay is None:
-            runner.replay = self._replay_function(runner.captured)
-        replay = runner.replay or _not_captured
-        if self._verifier is not None and self._verifier.left:
-            replay = _not_captured  # replays to verify take `_call`
-        self._last = (*mode, replay)
-        return runner
+    def _select(self) -> tuple[Mode, _shapes.Graphs]:
+        """The graphs of the current call's mode; their replay path becomes the one that
+        ``__call__`` tries (`_shapes.Graphs.run` picks the graph by the call's shapes)."""
+        mode = _modes.current_mode(self.module)
+        graphs = self._graphs.get(mode)
+        if graphs is None:
+            # Nothing in the graphs refers to the wrapper: dropping it frees them at once.
+            graphs = self._graphs[mode] = _shapes.Graphs(
+                type(self).__name__,
+                self._shapes,
+                self._new_runner(),
+                functools.partial(_replay_function, self._layer),
+                functools.partial(_settled, self._verifier, mode),
+                self._fn,
+                self._lock,
+            )
+        self._last = (*mode, graphs.replay, self._hits.setdefault(mode, [0]))
+        return mode, graphs
 
-    def _replay_function(self, captured: _replay.Captured) -> _replay.ReplayFunction:
-        """The replay path of a captured graph: its routes, from the TensorDict layer's
-        readers and writers for a TensorDict module, else the fastest for the call."""
-        if self._layer is not None:
-            return _replay.replay_function(captured, self._layer.routes(captured))
-        return _replay.replay_function(captured, _replay.default_routes(captured))
-
-    def _new_runner(self) -> _graph.GraphRunner:
+    def _new_runner(self) -> Callable[[], _graph.GraphRunner]:
+        """What makes the runner of each new graph."""
         make_backend = None
         if self._backend_name != "eager":
             make_backend = functools.partial(
@@ -285,30 +291,83 @@ class CudaGraphModule:
                 self.device,
                 self._pool,
                 self._capture_error_mode,
+                self._own_pool,
             )
-        return _graph.GraphRunner(
-            type(self).__name__, self._fn, self._warmup, make_backend, self._lock
+        return functools.partial(
+            _graph.GraphRunner,
+            type(self).__name__,
+            self._fn,
+            self._warmup,
+            make_backend,
+            self._lock,
         )
 
-    def _current_runner(self) -> _graph.GraphRunner | None:
-        return self._graphs.get((self._mode(), None))
+    def _current_graphs(self) -> _shapes.Graphs | None:
+        return self._graphs.get(_modes.current_mode(self.module))
 
     @property
     def counter(self) -> int:
-        """How many calls ran before the first replay (warm-up calls, then the capture)."""
-        runner = self._current_runner()
-        return 0 if runner is None else runner.counter
+        """How many calls ran before the first replay (warm-up calls, then the capture), for
+        the current mode's graph that went furthest."""
+        graphs = self._current_graphs()
+        return max((r.counter for r in graphs.runners.values()), default=0) if graphs else 0
 
     def reset(self) -> None:
         """Drop the captured graphs and their buffers; the next call starts the warm-up again."""
         self._graphs.clear()
-        self._last = (None, None, None, None, _not_captured)
+        self._hits.clear()
+        self._last = (None, None, None, None, _not_captured, [0])
 
     @property
     def is_captured(self) -> bool:
-        """Whether the graph of the current interaction type is captured, so calls replay it."""
-        runner = self._current_runner()
-        return runner is not None and runner.captured is not None
+        """Whether a graph of the current mode is captured, so calls replay it."""
+        graphs = self._current_graphs()
+        return graphs is not None and any(r.captured for r in graphs.runners.values())
+
+    def graphs(self) -> list[_shapes.GraphInfo]:
+        """The wrapper's graphs: for each, its mode, its key, whether it is captured, how many
+        calls it answered by a replay, and the fraction of the rows it replayed that were
+        padding (``shapes="buckets"``).
+
+        The key is None for ``shapes="static"``, the structure and input shapes for
+        ``"exact"``, and the bucket's batch dims for ``"buckets"``.
+        """
+        with self._lock:
+            return [
+                info
+                for mode, graphs in self._graphs.items()
+                for info in graphs.infos(_modes.mode_name(mode), self._hits.get(mode, [0])[0])
+            ]
+
+    def pool(self) -> Any:
+        """The memory pool of the wrapper's graphs, to share with other wrappers (``pool=``)."""
+        return self._pool
+
+    def precapture(self, *args: Any, **kwargs: Any) -> None:
+        """Warm up and capture the graphs of calls like ``(*args, **kwargs)`` now, in the
+        current mode, rather than at the first calls.
+
+        With ``shapes="buckets"``, every bucket up to the example's is captured (every listed
+        bucket, or every power of two up to it), largest first, so that the smaller graphs
+        reuse its memory. The example runs as calls do (``warmup`` times): do not precapture
+        a training step with data it must not train on.
+
+        Raises:
+            RuntimeError: The example's call runs eagerly (above the largest bucket, or past
+                ``max_graphs``).
+        """
+        if self._backend_name == "eager":
+            return
+        with self._lock:
+            _, graphs = self._select()
+            graphs.precapturing = True
+            try:
+                for _ in range(self._warmup):
+                    self._call(args, kwargs)
+            finally:
+                graphs.precapturing = False
+            if not graphs.captured_any():
+                raise _errors_shapes.not_captured_after_precapture(type(self).__name__)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's ``state_dict``, or ``{}`` for a function without one."""
@@ -328,19 +387,24 @@ class CudaGraphModule:
             return None
         return load(state_dict, *args, **kwargs)
 
-    def _stage(self, runner: _graph.GraphRunner) -> str:
-        if runner.captured is not None:
+    def _stage(self, graphs: _shapes.Graphs) -> str:
+        captured = sum(r.captured is not None for r in graphs.runners.values())
+        if self._shapes.shapes != "static":
+            return f"{captured} of {len(graphs.runners)} graphs captured"
+        if captured:
             return "captured: calls replay the graph"
-        return f"warming up: {runner.counter} of {self._warmup - 1} warm-up calls done"
+        counter = max((r.counter for r in graphs.runners.values()), default=0)
+        return f"warming up: {counter} of {self._warmup - 1} warm-up calls done"
 
     def __repr__(self) -> str:
         if self._backend_name == "eager":
             state = "eager (no CUDA)"
         elif not self._graphs:
             state = f"warming up: 0 of {self._warmup - 1} warm-up calls done"
-        else:  # one entry per mode the wrapper was called in, with its graph's stage
+        else:  # one entry per mode the wrapper was called in, with its graphs' stage
             state = "; ".join(
-                f"{_mode_name(key)}: {self._stage(runner)}" for key, runner in self._graphs.items()
+                f"{_modes.mode_name(mode)}: {self._stage(graphs)}"
+                for mode, graphs in self._graphs.items()
             )
         fields = {
             "module": repr(self.module).replace("\n", "\n    "),
@@ -348,8 +412,12 @@ class CudaGraphModule:
             "in_keys": self.in_keys,
             "out_keys": self.out_keys,
             "backend": repr(self._backend_name),
-            "state": state,
         }
+        if self._shapes.shapes != "static":
+            fields["shapes"] = repr(self._shapes.shapes)
+            if self._shapes.buckets:
+                fields["buckets"] = list(self._shapes.buckets)
+        fields["state"] = state
         body = ",\n".join(f"    {key}={value}" for key, value in fields.items())
         return f"{type(self).__name__}(\n{body}\n)"
 
@@ -359,21 +427,19 @@ def _not_captured(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return MISS
 
 
-def _mode_name(key: GraphKey) -> str:
-    (interaction, grad, training, autocast), _ = key
-    parts = ["grad" if grad else "no_grad"]
-    if training is not None:
-        parts.append("train" if training else "eval")
-    if interaction is not None:
-        parts.append(f"interaction {interaction}")
-    if autocast is not None:
-        enabled = [
-            f"{device} {str(dtype).removeprefix('torch.')}"
-            for device, (on, dtype) in zip(_AUTOCAST_DEVICES, autocast, strict=True)
-            if on
-        ]
-        parts.append(f"autocast {', '.join(enabled)}")
-    return ", ".join(parts)
+def _settled(verifier: _verify.Verifier | None, mode: Mode, key: Hashable) -> bool:
+    """Whether a graph's replays may take the replay path: not while verify= checks them."""
+    return verifier is None or not verifier.wants((mode, key))
+
+
+def _replay_function(
+    layer: _tdmodule.TensorDictLayer | None, captured: _replay.Captured
+) -> _replay.ReplayFunction:
+    """The replay path of a captured graph: its routes, from the TensorDict layer's readers
+    and writers for a TensorDict module, else the fastest for the call."""
+    if layer is not None:
+        return _replay.replay_function(captured, layer.routes(captured))
+    return _replay.replay_function(captured, _replay.default_routes(captured))
 
 
 def _make_runner_backend(
@@ -381,7 +447,10 @@ def _make_runner_backend(
     device: torch.device | None,
     pool: Any,
     capture_error_mode: str,
+    own_pool: bool,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Backend:
-    return make_backend(name, device, pool, capture_error_mode, (args, kwargs))
+    return make_backend(
+        name, device, pool, capture_error_mode, (args, kwargs), shared_by_owner=own_pool
+    )

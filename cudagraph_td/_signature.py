@@ -67,9 +67,11 @@ class Signature:
         device: torch.device,
         *,
         allow_grad: bool = False,
+        static_inputs: list[torch.Tensor] | None = None,
     ):
         validate(name, args, kwargs, device, allow_grad=allow_grad)
         self.name = name
+        self._shapes = True  # whether `diagnose` compares shapes
         leaves, self.spec = _tree.flatten((args, kwargs))
         self.tensor_index = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         self.const_index = [
@@ -83,12 +85,15 @@ class Signature:
         # They are leaves that require grad where the inputs do (a graph captured for
         # autograd differentiates with respect to them), and never inference tensors, so
         # that a graph captured under inference_mode can be fed outside it. No reference to
-        # the caller's tensors is kept.
-        with torch.no_grad(), torch.inference_mode(False):
-            self.static_inputs = [
-                leaves[i].detach().clone().requires_grad_(leaves[i].requires_grad)
-                for i in self.tensor_index
-            ]
+        # the caller's tensors is kept. Given, they are views of a larger graph's buffers (a
+        # bucket's graph replayed on fewer rows).
+        if static_inputs is None:
+            with torch.no_grad(), torch.inference_mode(False):
+                static_inputs = [
+                    leaves[i].detach().clone().requires_grad_(leaves[i].requires_grad)
+                    for i in self.tensor_index
+                ]
+        self.static_inputs = static_inputs
         self._static_leaves = list(leaves)
         for i, static in zip(self.tensor_index, self.static_inputs, strict=True):
             self._static_leaves[i] = static
@@ -158,11 +163,16 @@ class Signature:
         except Exception:
             return False
 
-    def diagnose(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Exception | None:
+    def diagnose(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], *, shapes: bool = True
+    ) -> Exception | None:
         """The error that explains how a call's inputs differ from the captured ones.
 
-        None when they differ only by the subclass of a tensor, which is not an error.
+        None when they differ only by the subclass of a tensor, which is not an error, or,
+        with ``shapes=False``, by shapes and batch sizes (a call for another graph of a
+        wrapper with ``shapes="exact"``).
         """
+        self._shapes = shapes
         captured = (self.static_args, self.static_kwargs)
         missing: list[str] = []
         extra: list[str] = []
@@ -178,7 +188,7 @@ class Signature:
         # Nothing differs leaf by leaf: the structure differs in a way the walk does not name
         # (e.g. a node's metadata that is neither a key nor a batch size), or nothing does.
         received = optree.tree_structure(cast(Any, (args, kwargs)), namespace=_tree.NAMESPACE)
-        if received == self.spec:
+        if received == self.spec or not shapes:
             return None
         return _errors.structure_mismatch(
             self.name, [], [], [f"captured: {self.spec}", f"received: {received}"]
@@ -200,7 +210,8 @@ class Signature:
             return self._compare_leaves(where, old, new)
         if old_leaf != new_leaf or type(old) is not type(new):
             return _errors.leaf_kind_mismatch(self.name, where, old, new)
-        if isinstance(old, TensorDictBase) and old.batch_size != new.batch_size:
+        shapes = self._shapes
+        if shapes and isinstance(old, TensorDictBase) and old.batch_size != new.batch_size:
             return _errors.batch_size_mismatch(self.name, where, old.batch_size, new.batch_size)
         old_node, new_node = _tree.one_level(old), _tree.one_level(new)
         # Children by entry (a key, an index), with the path entry that names them.
@@ -229,7 +240,11 @@ class Signature:
                 )
                 if error is not None:
                     return error
-        if not missing and not extra and old_node.metadata != new_node.metadata:
+        if (
+            not missing
+            and not extra
+            and _meta(old_node.metadata, shapes) != _meta(new_node.metadata, shapes)
+        ):
             other.append(f"{where}: {old_node.metadata!r} at capture, {new_node.metadata!r} now")
         return None
 
@@ -247,10 +262,17 @@ class Signature:
             return _errors.device_mismatch(self.name, where, old.device, new.device)
         if new.dtype != old.dtype:
             return _errors.dtype_mismatch(self.name, where, old.dtype, new.dtype)
-        if new.shape != old.shape:
+        if self._shapes and new.shape != old.shape:
             return _errors.shape_mismatch(self.name, where, old.shape, new.shape)
         if new.requires_grad and not old.requires_grad:
             return _errors.requires_grad(self.name, where)
         if old.requires_grad and not new.requires_grad:
             return _errors.no_longer_requires_grad(self.name, where)
         return None
+
+
+def _meta(metadata: Any, shapes: bool) -> Any:
+    """A node's metadata, without its batch size when shapes are not compared."""
+    if shapes or not hasattr(metadata, "batch_size"):
+        return metadata
+    return metadata._replace(batch_size=None)

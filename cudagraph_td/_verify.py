@@ -15,7 +15,7 @@ instance) get back the values the replay left.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import torch
@@ -29,13 +29,18 @@ class VerificationError(RuntimeError):
 
 
 class Verifier:
-    """Checks the next ``replays`` replays of ``fn``'s graph against eager runs of ``fn``."""
+    """Checks the first ``replays`` replays of each of ``fn``'s graphs against eager runs."""
 
     def __init__(self, name: str, fn: Callable[..., Any], replays: int):
         self.name = name
         self.fn = fn
-        self.left = replays  # replays still to check
-        self.done = 0  # replays checked
+        self.replays = replays
+        self.done = 0  # replays checked, all graphs together
+        self._checked: dict[Hashable, int] = {}  # by graph
+
+    def wants(self, graph: Hashable) -> bool:
+        """Whether the next replay of ``graph`` is to be checked."""
+        return self._checked.get(graph, 0) < self.replays
 
     def copy_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The call's inputs with every tensor cloned: the eager run's own, taken before the replay."""
@@ -53,6 +58,7 @@ class Verifier:
         *,
         device: torch.device,
         training_step: bool,
+        graph: Hashable = None,
     ) -> None:
         """Run ``fn`` eagerly on ``copies``; raise if its result or inputs differ from the replay's.
 
@@ -61,7 +67,7 @@ class Verifier:
             VerificationError: A leaf of the result, or an input updated in place, differs.
         """
         self.done += 1
-        self.left -= 1
+        self._checked[graph] = self._checked.get(graph, 0) + 1
         if training_step:
             raise _errors.cannot_verify_training_step(self.name)
         copy_args, copy_kwargs = copies
@@ -71,10 +77,10 @@ class Verifier:
         if difference is None:  # the inputs that the function updates in place
             difference = _first_difference((args, kwargs), copies, None)
         if difference is not None:
-            raise VerificationError(self._message(*difference))
+            raise VerificationError(self._message(self._checked[graph], *difference))
 
-    def _message(self, path: str, detail: str) -> str:
-        return _errors.verification_failed(self.name, self.done, path, detail)
+    def _message(self, replay: int, path: str, detail: str) -> str:
+        return _errors.verification_failed(self.name, replay, path, detail)
 
 
 def _first_difference(actual: Any, expected: Any, root: str | None) -> tuple[str, str] | None:

@@ -129,3 +129,9 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     for name, values in FIGURES.items():
         text = ", ".join(f"{key}: {value}" for key, value in values.items())
         terminalreporter.write_line(f"{name}: {text}")
+
+
+def current_runner(graphed: CudaGraphModule) -> Any:
+    """The runner of a ``shapes="static"`` wrapper's graph in the current mode, if any."""
+    graphs = graphed._current_graphs()
+    return None if graphs is None else graphs.runners.get(None)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from .conftest import Backend
+from .conftest import Backend, current_runner
 
 
 class Flaky:
@@ -178,7 +178,7 @@ def test_shared_pool_and_capture_error_mode(cuda: Backend) -> None:
 def test_graph_device_follows_the_inputs(cuda: Backend) -> None:
     graphed = cuda.wrap(lambda x: x + 1, warmup=1)
     graphed(cuda.randn(2))
-    runner = graphed._current_runner()
+    runner = current_runner(graphed)
     assert runner.backend is not None and runner.backend.device == cuda.device
 
 

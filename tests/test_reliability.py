@@ -16,7 +16,7 @@ from torch import nn
 
 from cudagraph_td import CudaGraphModule
 
-from .conftest import Backend, record, requires_cuda, run_threads
+from .conftest import Backend, current_runner, record, requires_cuda, run_threads
 
 
 def _policy(backend: Backend) -> TensorDictModule:
@@ -38,8 +38,8 @@ def test_dropping_a_wrapper_frees_its_graph_without_the_garbage_collector(
         with torch.no_grad():
             for _ in range(3):
                 graphed(TensorDict(obs=backend.randn(8, 4), batch_size=[8]))
-            runner = weakref.ref(graphed._current_runner())
-            captured = weakref.ref(graphed._current_runner().captured)
+            runner = weakref.ref(current_runner(graphed))
+            captured = weakref.ref(current_runner(graphed).captured)
         del graphed
         assert runner() is None and captured() is None
         if backend.name == "cuda":

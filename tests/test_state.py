@@ -18,7 +18,7 @@ from torch import nn
 
 from cudagraph_td import CudaGraphModule, RecaptureWarning
 
-from .conftest import Backend, requires_cuda, run_threads
+from .conftest import Backend, current_runner, requires_cuda, run_threads
 from .test_whole_step import _agent
 
 
@@ -74,13 +74,13 @@ def test_parameters_updated_in_place_flow_through_the_graph(backend: Backend, gr
     with torch.set_grad_enabled(grad), warnings.catch_warnings():
         warnings.simplefilter("error")  # no recapture
         _warm(graphed, net, backend)
-        captured = graphed._current_runner().captured
+        captured = current_runner(graphed).captured
         net.load_state_dict(other.state_dict())  # copies in place
         with torch.no_grad():
             net[0].weight.mul_(2)
             net[1].running_var.add_(1)
         _warm(graphed, net, backend)
-        assert graphed._current_runner().captured is captured
+        assert current_runner(graphed).captured is captured
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
@@ -214,10 +214,10 @@ def test_the_autocast_state_selects_a_graph_of_its_own(backend: Backend) -> None
             x = backend.randn(8, 4)
             assert graphed(x).dtype == torch.float16
         with _autocast(backend):  # the first graph again, not a new one
-            captured = graphed._current_runner().captured
+            captured = current_runner(graphed).captured
             x = backend.randn(8, 4)
             torch.testing.assert_close(graphed(x), net(x))
-            assert graphed._current_runner().captured is captured
+            assert current_runner(graphed).captured is captured
     assert "autocast" in repr(graphed)
 
 

@@ -1,0 +1,87 @@
+"""The errors and warnings of ``shapes=``: batch dims, padding, and the number of graphs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._errors import InputMismatchError
+
+_SHARP_EDGES = 'See the sharp edges page, "Several shapes".'
+
+
+class GraphLimitWarning(UserWarning):
+    """A wrapper needed a graph past ``max_graphs``: such calls run eagerly (or raise)."""
+
+
+def no_batch_dims(name: str, path: str, shape: Any, batch_dims: int) -> InputMismatchError:
+    received = "no tensor" if shape is None else f"shape {list(shape)}"
+    return InputMismatchError(
+        f'{name}(shapes="buckets") pads the {batch_dims} leading batch dim(s) of every input '
+        f"tensor, but {path} has {received}. Pass values without batch dims as constants "
+        f'(not tensors), set batch_dims=, or use shapes="exact". {_SHARP_EDGES}',
+        path=path,
+        captured=batch_dims,
+        received=shape,
+    )
+
+
+def batch_dims_differ(
+    name: str, first: str, batch: Any, path: str, other: Any
+) -> InputMismatchError:
+    return InputMismatchError(
+        f'{name}(shapes="buckets") pads every input to one batch size, but {first} has batch '
+        f"dims {list(batch)} and {path} has {list(other)}. Give every input the same "
+        f'leading dims, or use shapes="exact". {_SHARP_EDGES}',
+        path=path,
+        captured=batch,
+        received=other,
+    )
+
+
+def output_not_batched(name: str, path: str, shape: Any, padded: Any) -> RuntimeError:
+    return RuntimeError(
+        f'{name}(shapes="buckets") slices every output back to the call\'s rows, but {path} '
+        f"has shape {list(shape)}, which does not start with the padded batch dims "
+        f"{list(padded)}: a result computed across the batch (a mean, a loss) changes with "
+        f'the padded rows. Return per-row outputs, or use shapes="exact". {_SHARP_EDGES}'
+    )
+
+
+def padding_refused(name: str, why: str) -> RuntimeError:
+    return RuntimeError(
+        f'{name}(shapes="buckets") does not pad {why}: padded rows would take part in the '
+        'gradients or the loss. Use shapes="exact" (one graph per batch size), or pass '
+        "row_independent=True if every output row depends on its own input row only and "
+        f"the function computes no loss over the batch. {_SHARP_EDGES}"
+    )
+
+
+def above_buckets(name: str, batch: Any, buckets: Any) -> RuntimeError:
+    return RuntimeError(
+        f"{name} received batch dims {list(batch)}, above its largest bucket "
+        f"{max(buckets)} (buckets={list(buckets)}), and overflow='raise'. Add a larger "
+        "bucket, or pass overflow='eager' to run such calls eagerly."
+    )
+
+
+def too_many_graphs(name: str, max_graphs: int, seen: list[Any], overflow: str) -> str:
+    action = "run eagerly" if overflow == "eager" else "raise this error"
+    return (
+        f"{name} reached max_graphs={max_graphs}: calls that need another graph {action}. "
+        f"Shapes with a graph: {', '.join(map(str, seen))}. Raise max_graphs=, or use "
+        f'shapes="buckets" to pad batch sizes to a few graphs. {_SHARP_EDGES}'
+    )
+
+
+def buckets_without_mode(shapes: str) -> ValueError:
+    return ValueError(
+        f'`buckets=` is the list of batch sizes of shapes="buckets", but shapes={shapes!r}. '
+        'Pass shapes="buckets" with it, or leave buckets= unset.'
+    )
+
+
+def not_captured_after_precapture(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"{name}.precapture() ran the example, but the call ran eagerly instead of being "
+        "captured (its batch is above the largest bucket, or max_graphs is reached)."
+    )
