@@ -65,6 +65,19 @@ def make_backend(
     return CudaBackend(device, pool, capture_error_mode, shared_by_owner=shared_by_owner)
 
 
+def backend_factory(
+    name: str, device: torch.device | None, pool: Any, capture_error_mode: str, own_pool: bool
+) -> Callable[[tuple[Any, ...], dict[str, Any]], Backend]:
+    """What makes a wrapper's backend from the inputs of its first call (see `make_backend`)."""
+
+    def make(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Backend:
+        return make_backend(
+            name, device, pool, capture_error_mode, (args, kwargs), shared_by_owner=own_pool
+        )
+
+    return make
+
+
 class Graph(Protocol):
     def replay(self) -> None: ...
 

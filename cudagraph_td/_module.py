@@ -5,16 +5,18 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
 
-from . import _errors, _errors_shapes, _graph, _modes, _replay, _shapes, _tdmodule, _verify
-from ._backend import Backend, check_options, make_backend
+from . import _errors, _errors_shapes, _graph, _modes, _shapes, _tdmodule, _verify
+from ._backend import backend_factory, check_options
+from ._buckets import BucketGraphs
 from ._compat import interaction_type
 from ._modes import Mode, any_autocast, autocast_state
 from ._replay import MISS
+from ._shapes import not_captured
 
 BackendName = Literal["auto", "cuda", "emulate"]
 
@@ -164,7 +166,6 @@ class CudaGraphModule:
         self._warmup = warmup
         self.in_keys, self.out_keys = _tdmodule.resolve_keys(name, module, in_keys, out_keys)
         self.device = None if device is None else torch.device(device)
-        self._capture_error_mode = capture_error_mode
         self._backend_name: str = backend
         if backend == "auto":
             self._backend_name = "cuda" if torch.cuda.is_available() else "eager"
@@ -178,6 +179,9 @@ class CudaGraphModule:
                 UserWarning,
                 stacklevel=2,
             )
+        # One call at a time: threads that share the wrapper take turns, so that none reads
+        # another's static buffers (re-entrant: the function may call the wrapper).
+        self._lock = threading.RLock()
         self._fn = module
         self._verifier = _verify.Verifier(name, module, verify) if verify else None
         self._layer: _tdmodule.TensorDictLayer | None = None
@@ -185,14 +189,20 @@ class CudaGraphModule:
             self._fn = _tdmodule.recording_writes(module)
             self._layer = _tdmodule.TensorDictLayer(name, self.in_keys, self.out_keys)
         self._has_training = hasattr(module, "training")
+        make_backend = None
+        if self._backend_name != "eager":
+            make_backend = backend_factory(
+                self._backend_name, self.device, self._pool, capture_error_mode, self._own_pool
+            )
+        # What makes the runner of each new graph (nothing in it refers to the wrapper).
+        self._new_runner = functools.partial(
+            _graph.GraphRunner, name, self._fn, warmup, make_backend, self._lock
+        )
         self._graphs: dict[Mode, _shapes.Graphs] = {}
         # Per mode, the calls that its replay path answered (see `__call__`).
         self._hits: dict[Mode, list[int]] = {}
         # The last call's mode, its replay path and its count (see `__call__`): none yet.
-        self._last: tuple[Any, ...] = (None, None, None, None, _not_captured, [0])
-        # One call at a time: threads that share the wrapper take turns, so that none reads
-        # another's static buffers (re-entrant: the function may call the wrapper).
-        self._lock = threading.RLock()
+        self._last: tuple[Any, ...] = (None, None, None, None, not_captured, [0])
         # The CUDA stream of the last call, and its device (see `_follow_stream`).
         self._stream: Any = None
         self._raw_stream: int | None = None
@@ -263,44 +273,23 @@ class CudaGraphModule:
         return out
 
     def _select(self) -> tuple[Mode, _shapes.Graphs]:
-        """The graphs of the current call's mode; their replay path becomes the one that
-        ``__call__`` tries (`_shapes.Graphs.run` picks the graph by the call's shapes)."""
+        """The graphs of the current call's mode (`_shapes.Graphs.run` then picks the graph by
+        the call's shapes)."""
         mode = _modes.current_mode(self.module)
         graphs = self._graphs.get(mode)
         if graphs is None:
-            # Nothing in the graphs refers to the wrapper: dropping it frees them at once.
-            graphs = self._graphs[mode] = _shapes.Graphs(
+            graphs = self._graphs[mode] = _shapes.make_graphs(
+                BucketGraphs if self._shapes.shapes == "buckets" else _shapes.Graphs,
                 type(self).__name__,
                 self._shapes,
-                self._new_runner(),
-                functools.partial(_replay_function, self._layer),
-                functools.partial(_settled, self._verifier, mode),
+                self._new_runner,
+                self._layer,
+                self._verifier,
+                mode,
                 self._fn,
                 self._lock,
             )
-        self._last = (*mode, graphs.replay, self._hits.setdefault(mode, [0]))
         return mode, graphs
-
-    def _new_runner(self) -> Callable[[], _graph.GraphRunner]:
-        """What makes the runner of each new graph."""
-        make_backend = None
-        if self._backend_name != "eager":
-            make_backend = functools.partial(
-                _make_runner_backend,
-                self._backend_name,
-                self.device,
-                self._pool,
-                self._capture_error_mode,
-                self._own_pool,
-            )
-        return functools.partial(
-            _graph.GraphRunner,
-            type(self).__name__,
-            self._fn,
-            self._warmup,
-            make_backend,
-            self._lock,
-        )
 
     def _current_graphs(self) -> _shapes.Graphs | None:
         return self._graphs.get(_modes.current_mode(self.module))
@@ -310,28 +299,24 @@ class CudaGraphModule:
         """How many calls ran before the first replay (warm-up calls, then the capture), for
         the current mode's graph that went furthest."""
         graphs = self._current_graphs()
-        return max((r.counter for r in graphs.runners.values()), default=0) if graphs else 0
+        return 0 if graphs is None else graphs.counter()
 
     def reset(self) -> None:
         """Drop the captured graphs and their buffers; the next call starts the warm-up again."""
         self._graphs.clear()
         self._hits.clear()
-        self._last = (None, None, None, None, _not_captured, [0])
+        self._last = (None, None, None, None, not_captured, [0])
 
     @property
     def is_captured(self) -> bool:
         """Whether a graph of the current mode is captured, so calls replay it."""
         graphs = self._current_graphs()
-        return graphs is not None and any(r.captured for r in graphs.runners.values())
+        return graphs is not None and graphs.captured_any()
 
     def graphs(self) -> list[_shapes.GraphInfo]:
-        """The wrapper's graphs: for each, its mode, its key, whether it is captured, how many
-        calls it answered by a replay, and the fraction of the rows it replayed that were
-        padding (``shapes="buckets"``).
-
-        The key is None for ``shapes="static"``, the structure and input shapes for
-        ``"exact"``, and the bucket's batch dims for ``"buckets"``.
-        """
+        """The wrapper's graphs: each one's mode, key (None for ``shapes="static"``, the
+        structure and input shapes for ``"exact"``, the batch dims for ``"buckets"``), whether
+        it is captured, its replays, and the fraction of the rows replayed that were padding."""
         with self._lock:
             return [
                 info
@@ -347,10 +332,10 @@ class CudaGraphModule:
         """Warm up and capture the graphs of calls like ``(*args, **kwargs)`` now, in the
         current mode, rather than at the first calls.
 
-        With ``shapes="buckets"``, every bucket up to the example's is captured (every listed
-        bucket, or every power of two up to it), largest first, so that the smaller graphs
-        reuse its memory. The example runs as calls do (``warmup`` times): do not precapture
-        a training step with data it must not train on.
+        With ``shapes="buckets"``, every listed bucket (or every power of two up to the
+        example's batch) is captured, largest first, so that the smaller graphs reuse its
+        memory. The example runs as calls do (``warmup`` times): do not precapture a training
+        step with data it must not train on.
 
         Raises:
             RuntimeError: The example's call runs eagerly (above the largest bucket, or past
@@ -387,15 +372,6 @@ class CudaGraphModule:
             return None
         return load(state_dict, *args, **kwargs)
 
-    def _stage(self, graphs: _shapes.Graphs) -> str:
-        captured = sum(r.captured is not None for r in graphs.runners.values())
-        if self._shapes.shapes != "static":
-            return f"{captured} of {len(graphs.runners)} graphs captured"
-        if captured:
-            return "captured: calls replay the graph"
-        counter = max((r.counter for r in graphs.runners.values()), default=0)
-        return f"warming up: {counter} of {self._warmup - 1} warm-up calls done"
-
     def __repr__(self) -> str:
         if self._backend_name == "eager":
             state = "eager (no CUDA)"
@@ -403,7 +379,7 @@ class CudaGraphModule:
             state = f"warming up: 0 of {self._warmup - 1} warm-up calls done"
         else:  # one entry per mode the wrapper was called in, with its graphs' stage
             state = "; ".join(
-                f"{_modes.mode_name(mode)}: {self._stage(graphs)}"
+                f"{_modes.mode_name(mode)}: {graphs.stage()}"
                 for mode, graphs in self._graphs.items()
             )
         fields = {
@@ -420,37 +396,3 @@ class CudaGraphModule:
         fields["state"] = state
         body = ",\n".join(f"    {key}={value}" for key, value in fields.items())
         return f"{type(self).__name__}(\n{body}\n)"
-
-
-def _not_captured(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The replay function of a graph not yet captured: every call takes the slow path."""
-    return MISS
-
-
-def _settled(verifier: _verify.Verifier | None, mode: Mode, key: Hashable) -> bool:
-    """Whether a graph's replays may take the replay path: not while verify= checks them."""
-    return verifier is None or not verifier.wants((mode, key))
-
-
-def _replay_function(
-    layer: _tdmodule.TensorDictLayer | None, captured: _replay.Captured
-) -> _replay.ReplayFunction:
-    """The replay path of a captured graph: its routes, from the TensorDict layer's readers
-    and writers for a TensorDict module, else the fastest for the call."""
-    if layer is not None:
-        return _replay.replay_function(captured, layer.routes(captured))
-    return _replay.replay_function(captured, _replay.default_routes(captured))
-
-
-def _make_runner_backend(
-    name: str,
-    device: torch.device | None,
-    pool: Any,
-    capture_error_mode: str,
-    own_pool: bool,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Backend:
-    return make_backend(
-        name, device, pool, capture_error_mode, (args, kwargs), shared_by_owner=own_pool
-    )

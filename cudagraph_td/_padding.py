@@ -16,7 +16,7 @@ import optree
 import torch
 from tensordict.base import is_tensor_collection
 
-from . import _errors, _tree
+from . import _errors_shapes, _tree
 
 Batch = tuple[int, ...]
 
@@ -55,13 +55,13 @@ def batch_of(name: str, args: Any, kwargs: Any, batch_dims: int) -> Batch:
             continue
         shape = tuple(leaf.shape)
         if len(shape) < batch_dims:
-            raise _errors.no_batch_dims(name, path, leaf.shape, batch_dims)
+            raise _errors_shapes.no_batch_dims(name, path, leaf.shape, batch_dims)
         if batch is None:
             batch, first = shape[:batch_dims], path
         elif shape[:batch_dims] != batch:
-            raise _errors.batch_dims_differ(name, first, batch, path, shape[:batch_dims])
+            raise _errors_shapes.batch_dims_differ(name, first, batch, path, shape[:batch_dims])
     if batch is None:
-        raise _errors.no_batch_dims(name, "(args, kwargs)", None, batch_dims)
+        raise _errors_shapes.no_batch_dims(name, "(args, kwargs)", None, batch_dims)
     return batch
 
 
@@ -86,12 +86,13 @@ def resize(args: Any, kwargs: Any, size: Batch) -> tuple[Any, Any]:
             return _resize_leaf(leaf, size)
         return leaf
 
-    return optree.tree_map(  # type: ignore[no-any-return]
+    resized: tuple[Any, Any] = optree.tree_map(  # type: ignore[assignment]
         resize_leaf,
         cast(Any, (args, kwargs)),
         is_leaf=_batched(len(size)),
         namespace=_tree.NAMESPACE,
     )
+    return resized
 
 
 def rows(name: str, out: Any, padded: Batch, size: Batch) -> Any:
@@ -107,7 +108,7 @@ def rows(name: str, out: Any, padded: Batch, size: Batch) -> Any:
         if not (isinstance(leaf, torch.Tensor) or is_tensor_collection(leaf)):
             return leaf
         if tuple(leaf.shape[: len(padded)]) != padded:
-            raise _errors.output_not_batched(name, path, leaf.shape, padded)
+            raise _errors_shapes.output_not_batched(name, path, leaf.shape, padded)
         return leaf[index]
 
     leaves = _leaves(out, len(size), root="output")

@@ -2,9 +2,7 @@
 
 ``shapes="static"`` keeps one graph. ``"exact"`` captures one graph per input signature (the
 shapes of the call's tensors), each on first sight with its own warm-up. ``"buckets"`` pads
-the batch dims of a call to the next bucket size, replays that size's graph, and slices the
-outputs back (see `_padding`); a bucket's graph then serves every smaller batch through views
-of its buffers (:meth:`GraphCall.rows`), on the replay path like any graph.
+the batch dims of a call to the next bucket size (see `_buckets`).
 
 :class:`Graphs` holds the graphs of one mode. :meth:`Graphs.run` is the one place that picks
 a graph by the call's key. :attr:`Graphs.replay` is the mode's replay path: the one graph's,
@@ -14,17 +12,16 @@ served the last call of that shape (learned on the slow path, see :meth:`Graphs.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 import torch
 
-from . import _errors, _errors_shapes, _padding, _tree
-from ._graph import GraphCall, GraphRunner, capture_turn
-from ._outputs import Outputs
-from ._replay import MISS, Captured, ReplayFunction, call
-from ._signature import Signature
+from . import _errors, _errors_shapes, _replay, _tree
+from ._graph import GraphRunner, capture_turn
+from ._replay import MISS, Captured, ReplayFunction
 
 SHAPES = ("static", "exact", "buckets")
 OVERFLOW = ("eager", "raise")
@@ -104,7 +101,7 @@ class Graphs:
         self._fn = fn
         self.options = options
         self.runners: dict[Hashable, GraphRunner] = {}
-        self.replay: ReplayFunction = _not_captured
+        self.replay: ReplayFunction = not_captured
         # The key and captured call of the graph whose replay answered the last call through
         # `run`, else None (see verify=).
         self.replayed: tuple[Hashable, Captured] | None = None
@@ -119,10 +116,9 @@ class Graphs:
         # Replays counted on the slow path, and per path of the table: (key, rows, padded).
         self._counts: list[tuple[Hashable, int, int, list[int]]] = []
         self._slow: dict[tuple[Hashable, int, int], list[int]] = {}
-        self._paths: dict[int, tuple[ReplayFunction, list[int]]] = {}
+        self._paths: dict[int, tuple[ReplayFunction, list[int], Captured]] = {}
         self._views: dict[Hashable, tuple[Captured, Captured]] = {}
         self._warned = False
-        self._lead: GraphRunner | None = None  # the largest bucket's, while it warms up
         if options.shapes != "static":
             self.replay = self._dispatch()
 
@@ -135,15 +131,27 @@ class Graphs:
     def captured_any(self) -> bool:
         return any(runner.captured is not None for runner in self.runners.values())
 
+    def counter(self) -> int:
+        """The calls before the first replay, of the graph that went furthest."""
+        return max((runner.counter for runner in self.runners.values()), default=0)
+
+    def stage(self) -> str:
+        """Where the graphs stand, for the wrapper's ``repr``."""
+        captured = sum(runner.captured is not None for runner in self.runners.values())
+        if self.options.shapes != "static":
+            return f"{captured} of {len(self.runners)} graphs captured"
+        if captured:
+            return "captured: calls replay the graph"
+        warmups = next(iter(self.runners.values())).warmup - 1 if self.runners else 0
+        return f"warming up: {self.counter()} of {warmups} warm-up calls done"
+
     # Picking the graph ---------------------------------------------------------------------
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Warm up, capture or replay the call's graph (the one place that picks it)."""
         self.replayed = self._served = None
         shapes = self.options.shapes
-        if shapes == "buckets":
-            return self._run_bucket(args, kwargs)
-        key = None if shapes == "static" else _exact_key(args, kwargs)
+        key = None if shapes == "static" else exact_key(args, kwargs)
         runner = self.runners.get(key)
         if runner is None:
             if self.runners and shapes == "exact":
@@ -205,127 +213,6 @@ class Graphs:
                 warnings.warn(message, _errors_shapes.GraphLimitWarning, stacklevel=5)
         with capture_turn(self._lock):  # the wrapper's function runs only under it
             return self._fn(*args, **kwargs)
-
-    # Buckets -------------------------------------------------------------------------------
-
-    def _run_bucket(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        options = self.options
-        batch = _padding.batch_of(self.name, args, kwargs, options.batch_dims)
-        size = _padding.bucket_for(batch, options.buckets)
-        if size is None:
-            return self._overflow(args, kwargs, batch)
-        if torch.is_grad_enabled() and not options.row_independent:
-            raise _errors_shapes.padding_refused(self.name, "calls in grad mode")
-        runner = self.runners.get(size)
-        if runner is not None and isinstance(runner.captured, GraphCall):
-            view = self._rows(size, runner.captured, batch, args, kwargs)
-            state = runner.captured.state
-            if view is not None and (state is None or state.fresh()):
-                out = call(view, args, kwargs)
-                self._replayed(size, view, _numel(batch), _numel(size))
-                return out
-        if runner is None:
-            group = self._group(size)
-            if len(group) > 1:
-                return self._capture_group(group, size, batch, args, kwargs)
-            if len(self.runners) >= options.max_graphs:
-                return self._overflow(args, kwargs, None)
-            runner = self.runners[size] = self._new_runner()
-        padded = _padding.resize(args, kwargs, size)
-        out = self._run(size, runner, *padded, _numel(batch), _numel(size))
-        self._refuse_training_step(size, runner)
-        self._answer(size, runner, batch, args, kwargs)
-        return _padding.rows(self.name, out, size, batch)
-
-    def _answer(
-        self,
-        size: tuple[int, ...],
-        runner: GraphRunner,
-        batch: tuple[int, ...],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> None:
-        """Once a bucket's graph is captured, calls like this one take its replay path."""
-        if self._served is None and isinstance(runner.captured, GraphCall):
-            view = self._rows(size, runner.captured, batch, args, kwargs)
-            if view is not None:
-                self._served = (size, view, _numel(batch), _numel(size))
-
-    def _group(self, size: tuple[int, ...]) -> list[tuple[int, ...]]:
-        """The buckets captured together with ``size``, largest first (so that the smaller
-        graphs reuse its memory): every listed one not captured yet (or, for ``precapture``,
-        every power of two up to ``size``); just ``size`` for more than one batch dim."""
-        if len(size) != 1 or not (self.options.buckets or self.precapturing):
-            return [size]
-        sizes = self.options.buckets or [1 << k for k in range(size[0].bit_length())]
-        return [(s,) for s in sorted(sizes, reverse=True) if (s,) not in self.runners]
-
-    def _capture_group(
-        self,
-        group: list[tuple[int, ...]],
-        size: tuple[int, ...],
-        batch: tuple[int, ...],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        """Warm up the largest graph of ``group`` on this call (padded); at its capture,
-        capture every graph of the group, largest first, and answer with this call's."""
-        lead = self._lead = self._lead or self._new_runner()
-        if lead.counter < lead.warmup - 1:
-            out = lead.run(*_padding.resize(args, kwargs, group[0]))
-            return _padding.rows(self.name, out, group[0], batch)
-        self._lead = None
-        self.runners[group[0]] = lead
-        answer = None
-        for each in group:
-            runner = self.runners.setdefault(each, self._new_runner())
-            runner.skip_warmup()  # the largest's warm-ups did the lazy initialisations
-            out = runner.run(*_padding.resize(args, kwargs, each))
-            self._refuse_training_step(each, runner)
-            if each == size:
-                answer = _padding.rows(self.name, out, size, batch)
-                self._answer(size, runner, batch, args, kwargs)
-        return answer
-
-    def _refuse_training_step(self, size: tuple[int, ...], runner: GraphRunner) -> None:
-        captured = runner.captured
-        if captured is not None and captured.training_step and not self.options.row_independent:
-            del self.runners[size]
-            raise _errors_shapes.padding_refused(self.name, "a training step")
-
-    def _rows(
-        self,
-        size: tuple[int, ...],
-        captured: GraphCall,
-        batch: tuple[int, ...],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Captured | None:
-        """``captured`` (a bucket's graph) replayed on ``batch`` rows of its buffers, for calls
-        like this one; None if the call differs from the capture in more than its batch dims
-        (the padded call's full check then names the leaf)."""
-        # By the call's structure too: a TensorDict and keyword tensors read other rows.
-        where = (size, batch, _exact_key(args, kwargs))
-        cached = self._views.get(where)
-        if cached is not None and cached[0] is captured:
-            return cached[1]
-        signature = captured.signature
-        if signature.diagnose(args, kwargs, shapes=False) is not None:
-            return None
-        dims = len(size)
-        index = tuple(slice(0, n) for n in batch)
-        heads = [t[index] for t in signature.static_inputs]
-        tensors = signature.tensors(args, kwargs)
-        for t, static in zip(tensors, signature.static_inputs, strict=True):
-            if t.shape[dims:] != static.shape[dims:]:
-                return None
-        device = signature.static_inputs[0].device if heads else torch.device("cpu")
-        rows_signature = Signature(self.name, args, kwargs, device, static_inputs=heads)
-        outputs = captured.outputs
-        result = _padding.rows(self.name, outputs.rebuild(outputs.static), size, batch)
-        view = captured.rows(rows_signature, Outputs(self.name, result, outputs.device))
-        self._views[where] = (captured, view)
-        return view
 
     # The replay path -----------------------------------------------------------------------
 
@@ -395,19 +282,12 @@ class Graphs:
         return infos
 
 
-def _numel(batch: tuple[int, ...]) -> int:
-    n = 1
-    for d in batch:
-        n *= d
-    return n
-
-
 def _first_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     first = args[0] if args else next(iter(kwargs.values()), None)
     return getattr(first, "shape", None)
 
 
-def _exact_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+def exact_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     """The graph of a call with ``shapes="exact"``: its structure (TensorDict batch sizes
     included) and the shapes of its tensors. Other differences (dtypes, constants) are the
     errors of the graph's full check."""
@@ -420,6 +300,38 @@ def _exact_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     return (spec, shapes)
 
 
-def _not_captured(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def make_graphs(
+    cls: type[Graphs],
+    name: str,
+    options: ShapeOptions,
+    new_runner: Callable[[], GraphRunner],
+    layer: Any,
+    verifier: Any,
+    mode: Hashable,
+    fn: Callable[..., Any],
+    lock: Any,
+) -> Graphs:
+    """The graphs of one mode of a wrapper. Nothing in them refers to the wrapper, so that
+    dropping it frees them at once, without the garbage collector. ``cls``: `Graphs`, or
+    its subclass for ``shapes="buckets"``."""
+    route = functools.partial(_route, layer)
+    settled = functools.partial(_settled, verifier, mode)
+    return cls(name, options, new_runner, route, settled, fn, lock)
+
+
+def _settled(verifier: Any, mode: Hashable, key: Hashable) -> bool:
+    """Whether a graph's replays may take the replay path: not while verify= checks them."""
+    return verifier is None or not verifier.wants((mode, key))
+
+
+def _route(layer: Any, captured: Captured) -> ReplayFunction:
+    """The replay path of a captured graph: its routes, from the TensorDict layer's readers
+    and writers for a TensorDict module, else the fastest for the call."""
+    if layer is not None:
+        return _replay.replay_function(captured, layer.routes(captured))
+    return _replay.replay_function(captured, _replay.default_routes(captured))
+
+
+def not_captured(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The replay path before any graph is captured: every call takes the slow path."""
     return MISS

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from tensordict import TensorDict, TensorDictBase, unravel_key
@@ -22,8 +22,15 @@ from tensordict.nn import dispatch
 from . import _errors, _tree
 from ._replay import Captured, IntoTensorDict, Keywords, OutKeyValues, Route, TensorDictEntries
 
-if TYPE_CHECKING:  # the runner's owner calls the layer: no import at run time
-    from ._graph import GraphRunner
+
+class Runner(Protocol):
+    """What runs the module's graphs (`_shapes.Graphs`): the layer calls it, and reads
+    whether a graph is captured."""
+
+    @property
+    def captured(self) -> Captured | None: ...
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
 
 
 class _WroteInput:
@@ -108,13 +115,13 @@ class TensorDictLayer:
                 source=list(in_keys), dest=list(out_keys), auto_batch_size=False
             )(self._call)
 
-    def call(self, runner: GraphRunner, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def call(self, runner: Runner, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Call the module's graph, whose stage ``runner`` runs, as the module is called."""
         # The runner goes through dispatch as a keyword that no in_key can be named.
         return self._dispatched(*args, **kwargs, **{_RUNNER: runner})
 
     def _call(self, tensordict: Any, *args: Any, **kwargs: Any) -> Any:
-        runner: GraphRunner = kwargs.pop(_RUNNER)
+        runner: Runner = kwargs.pop(_RUNNER)
         tensordict_out: TensorDictBase | None = kwargs.pop("tensordict_out", None)
         if not is_tensor_collection(tensordict):
             raise _errors.not_a_tensordict(self.name, self.in_keys, tensordict)
