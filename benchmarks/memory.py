@@ -141,9 +141,7 @@ def measure(name: str) -> dict[str, float]:
         params = 0
         kept = SCENARIOS[name]()
         torch.cuda.synchronize()
-        params = sum(
-            p.numel() * p.element_size() for _ in range(1) for p in _policy().parameters()
-        )
+        params = sum(p.numel() * p.element_size() for _ in range(1) for p in _policy().parameters())
     return {
         "reserved_mib": (torch.cuda.memory_reserved() - reserved) / 2**20,
         "allocated_mib": (torch.cuda.memory_allocated() - allocated) / 2**20,

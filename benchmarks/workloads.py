@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import pathlib
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,7 +61,10 @@ BEFORE = "cudagraph_td (before)"
 
 
 def _hand_graph(
-    run: Callable[[list[torch.Tensor]], Any], inputs: list[torch.Tensor], warmup: int = 2
+    run: Callable[[list[torch.Tensor]], Any],
+    inputs: list[torch.Tensor],
+    warmup: int = 2,
+    pool: Any = None,
 ) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor], Any]:
     """Capture ``run(static_inputs)`` as torch's documentation shows; return the graph's state."""
     static = [t.clone() for t in inputs]
@@ -71,7 +75,7 @@ def _hand_graph(
             run(static)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         out = run(static)
     return graph, static, out
 
@@ -395,6 +399,88 @@ def forward_backward(device: torch.device) -> Workload:
     return w
 
 
+# (f) ---------------------------------------------------------------------------------
+
+BUCKETS = [1, 2, 4, 8, 16, 32, 64]
+
+
+def policy_random_batch(device: torch.device) -> Workload:
+    """The policy of (c), called with batch sizes drawn uniformly from 1 to 64."""
+    policy = _policy(device)
+    rng = random.Random(0)
+    tds = [
+        TensorDict(observation=torch.randn(n, 17, device=device), batch_size=[n])
+        for n in (rng.randint(1, 64) for _ in range(512))
+    ]
+
+    def cycling(f: Callable[..., Any]) -> Call:
+        # Every size seen three times before timing (warm-ups, captures, compilations),
+        # then the same sequence of batches for every variant.
+        for n in range(1, 65):
+            td = TensorDict(observation=torch.randn(n, 17, device=device), batch_size=[n])
+            for _ in range(3):
+                f(td)
+        position = [0]
+
+        def call() -> Any:
+            i = position[0] = (position[0] + 1) % len(tds)
+            return f(tds[i])
+
+        return call
+
+    def floor() -> Call:
+        # One graph per bucket (powers of two), as torch's documentation captures them,
+        # largest first into one pool; a call copies its rows into the first rows of the
+        # bucket's input buffer (the other rows keep earlier calls' rows) and clones the
+        # first rows of the output: the views of both made once per batch size.
+        pool = torch.cuda.graph_pool_handle()
+        graphs = {}
+        for b in sorted(BUCKETS, reverse=True):
+            static = torch.randn(b, 17, device=device)
+            graph, buffers, out = _hand_graph(lambda s: policy.module(s[0]), [static], pool=pool)
+            graphs[b] = (graph, buffers[0], out)
+        views = {}
+        for n in range(1, 65):
+            b = next(size for size in BUCKETS if size >= n)
+            graph, static, out = graphs[b]
+            views[n] = ([static[:n]], out[:n], graph.replay)
+
+        def run(td: TensorDict) -> TensorDict:
+            heads, out, replay = views[td.batch_size[0]]
+            torch._foreach_copy_(heads, [td["observation"]])
+            replay()
+            td["action"] = out.clone()
+            return td
+
+        return cycling(run)
+
+    def buckets() -> Any:
+        graphed = cudagraph_td.CudaGraphModule(policy, warmup=2, shapes="buckets", buckets=BUCKETS)
+        graphed.precapture(tds[0])
+        return graphed
+
+    def exact() -> Any:
+        return cudagraph_td.CudaGraphModule(policy, warmup=2, shapes="exact", max_graphs=64)
+
+    def compiled() -> Call:
+        return cycling(_marking_steps(torch.compile(policy, mode="reduce-overhead")))
+
+    w = Workload(
+        "f. policy, random batch",
+        "the policy of (c) called with TensorDicts of batch sizes drawn uniformly from 1 to 64",
+        no_grad=True,
+    )
+    w.variants = {
+        "eager": lambda: cycling(policy),
+        "floor": floor,
+        "cudagraph_td": lambda: cycling(buckets()),
+        "cudagraph_td exact": lambda: cycling(exact()),
+        "compile": compiled,
+    }
+    w.captures = {"cudagraph_td": lambda: (lambda g: lambda: g(tds[0]))(buckets())}
+    return w
+
+
 def all_workloads(device: torch.device) -> list[Workload]:
     return [
         tiny_op(device),
@@ -405,4 +491,5 @@ def all_workloads(device: torch.device) -> list[Workload]:
         policy_grad(device),
         sac_update(device),
         forward_backward(device),
+        policy_random_batch(device),
     ]

@@ -1,6 +1,7 @@
 """CUDA graphs made easy and safe for PyTorch and TensorDict users."""
 
 from ._errors import InputMismatchError as InputMismatchError
+from ._errors_shapes import GraphLimitWarning as GraphLimitWarning
 from ._graphed_callables import make_graphed_callables as make_graphed_callables
 from ._module import CudaGraphModule as CudaGraphModule
 from ._state import RecaptureWarning as RecaptureWarning
@@ -9,6 +10,7 @@ from ._version import __version__ as __version__
 
 __all__ = [
     "CudaGraphModule",
+    "GraphLimitWarning",
     "InputMismatchError",
     "RecaptureWarning",
     "VerificationError",

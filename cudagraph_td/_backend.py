@@ -19,7 +19,12 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from . import _errors, _tree
-from ._compat import clear_cublas_workspaces, distributions_validate_args, foreach_copy_
+from ._compat import (
+    clear_cublas_workspaces,
+    distributions_validate_args,
+    end_allocate_to_pool,
+    foreach_copy_,
+)
 
 T = TypeVar("T")
 
@@ -174,8 +179,9 @@ class CudaBackend:
         # stream, so its workspace lies outside the graph's pool: a graph recorded with it
         # would write into freed memory once anything clears cuBLAS workspaces, as
         # torch.compile's CUDA graph trees do around each recording. Cleared here, the
-        # capture makes its own, in the graph's private pool; cleared again after it, so that
-        # no later work on this stream uses the graph's.
+        # capture makes its own, in the graph's pool; cleared again after it, so that no
+        # later work on this stream uses the graph's (in a pool shared by several graphs,
+        # the next capture on this stream reuses it).
         clear_cublas_workspaces()
         graph = torch.cuda.CUDAGraph()
         # A garbage collection during the capture can free tensors of other streams, whose
@@ -186,13 +192,16 @@ class CudaBackend:
         # capture; the eager warm-up and capturing calls have checked them already.
         validate_args = distributions_validate_args()
         torch.distributions.Distribution.set_default_validate_args(False)
+        # A pool of its own unless given one: named here, so that a failed capture can end
+        # its routing of allocations (see `_end_failed_capture`).
+        pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
         try:
             with torch.cuda.stream(self._capture_stream), _no_autocast_cache():
-                graph.capture_begin(pool=self.pool, capture_error_mode=self.capture_error_mode)
+                graph.capture_begin(pool=pool, capture_error_mode=self.capture_error_mode)
                 try:
                     out = fn()
                 except BaseException:
-                    self._end_failed_capture(graph)
+                    self._end_failed_capture(graph, pool)
                     raise
                 with warnings.catch_warnings():
                     # A function that launches no kernel (it returns its input, or
@@ -207,16 +216,19 @@ class CudaBackend:
                 gc.enable()
         return graph, out
 
-    def _end_failed_capture(self, graph: torch.cuda.CUDAGraph) -> None:
+    def _end_failed_capture(self, graph: torch.cuda.CUDAGraph, pool: Any) -> None:
         """Take the capture stream out of capture mode after the function raised inside it."""
         try:
             graph.capture_end()
         except RuntimeError:
             # The error that broke the capture also invalidated it, and ending it raises
             # again; the caller raises the first error, which says what went wrong. torch
-            # then skips the end of its own bookkeeping: the CUDA generator stays marked as
-            # capturing, and the next random op outside a graph fails. A capture that ends
-            # well clears that mark on the same generator state.
+            # then skips the end of its own bookkeeping: the allocator still routes this
+            # stream's allocations to the graph's pool (which the wrapper's next capture
+            # uses), and the CUDA generator stays marked as capturing, so that the next
+            # random op outside a graph fails. Both are undone here; a capture that ends
+            # well clears the generator's mark on the same generator state.
+            end_allocate_to_pool(self.device, pool)
             self._clear_generator_capture_mark()
         if torch.cuda.is_current_stream_capturing():  # pragma: no cover - driver failure
             raise RuntimeError("cudagraph_td could not end a failed capture")

@@ -55,6 +55,19 @@ def clear_cublas_workspaces() -> None:
         clear()
 
 
+def end_allocate_to_pool(device: torch.device, pool: Any) -> None:
+    """Stop routing the allocations of a failed capture's stream to its pool.
+
+    ``CUDAGraph.capture_end`` does this after ending the capture; when ending it fails (the
+    function broke the capture), torch raises first and the allocator keeps routing that
+    stream's allocations into the pool, and refuses the next capture into it.
+    ``torch._C._cuda_endAllocateToPool`` (torch 2.11 and 2.13): no public function does it.
+    """
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is not None:
+        end(device.index, pool)
+
+
 def distributions_validate_args() -> bool:
     """Whether ``torch.distributions`` validates arguments by default.
 

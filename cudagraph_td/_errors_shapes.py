@@ -13,6 +13,9 @@ class GraphLimitWarning(UserWarning):
     """A wrapper needed a graph past ``max_graphs``: such calls run eagerly (or raise)."""
 
 
+GraphLimitWarning.__module__ = "cudagraph_td"  # where users import it from
+
+
 def no_batch_dims(name: str, path: str, shape: Any, batch_dims: int) -> InputMismatchError:
     received = "no tensor" if shape is None else f"shape {list(shape)}"
     return InputMismatchError(

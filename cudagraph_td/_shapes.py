@@ -71,7 +71,7 @@ class GraphInfo(NamedTuple):
     """One graph of a wrapper, as :meth:`CudaGraphModule.graphs` lists it."""
 
     mode: str  # the mode it serves: grad mode, training mode, interaction type, autocast
-    key: Any  # None ("static"), the input shapes ("exact"), the bucket's batch dims ("buckets")
+    key: Any  # None ("static"), the input tensors' shapes ("exact"), the batch dims ("buckets")
     captured: bool  # False while it warms up
     replays: int  # the calls it answered by a replay
     padded: float  # the fraction of the rows it replayed that were padding
@@ -204,7 +204,7 @@ class Graphs:
                 raise _errors_shapes.above_buckets(self.name, batch, options.buckets)
         else:
             message = _errors_shapes.too_many_graphs(
-                self.name, options.max_graphs, list(self.runners), options.overflow
+                self.name, options.max_graphs, [_shown(k) for k in self.runners], options.overflow
             )
             if options.overflow == "raise":
                 raise RuntimeError(message)
@@ -276,10 +276,16 @@ class Graphs:
         for key, runner in self.runners.items():
             real, padded = rows.get(key, (0, 0))
             fraction = 1 - real / padded if padded else 0.0
-            infos.append(
-                GraphInfo(mode, key, runner.captured is not None, replays.get(key, 0), fraction)
-            )
+            captured = runner.captured is not None
+            infos.append(GraphInfo(mode, _shown(key), captured, replays.get(key, 0), fraction))
         return infos
+
+
+def _shown(key: Hashable) -> Any:
+    """A graph's key as users read it: for ``"exact"``, the input shapes alone."""
+    if isinstance(key, tuple) and len(key) == 2 and not isinstance(key[0], int):
+        return key[1]
+    return key
 
 
 def _first_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

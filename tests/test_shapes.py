@@ -1,0 +1,273 @@
+"""``shapes=``: one graph per input shapes ("exact"), or batches padded to buckets ("buckets")."""
+
+from __future__ import annotations
+
+import copy
+import random
+import re
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+
+from cudagraph_td import CudaGraphModule, GraphLimitWarning, InputMismatchError
+
+from .conftest import Backend, counting
+
+MODES = [
+    pytest.param({"shapes": "exact", "max_graphs": 128}, id="exact"),
+    pytest.param({"shapes": "buckets"}, id="buckets"),
+    pytest.param({"shapes": "buckets", "buckets": [8, 16, 32, 48, 64]}, id="listed-buckets"),
+]
+
+
+def _policy(backend: Backend) -> tuple[TensorDictModule, nn.Module]:
+    net = nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 2)).to(backend.device)
+    return TensorDictModule(net, in_keys=["observation"], out_keys=["action"]), net
+
+
+def _td(backend: Backend, n: int) -> TensorDict:
+    return TensorDict(observation=backend.randn(n, 4), batch_size=[n])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("options", MODES)
+def test_policy_called_with_batch_sizes_1_to_64_in_random_order_equals_eager(
+    backend: Backend, options: dict[str, Any]
+) -> None:
+    policy, net = _policy(backend)
+    graphed = backend.wrap(policy, warmup=2, **options)
+    sizes = list(range(1, 65)) * 3
+    random.Random(0).shuffle(sizes)
+    kept = []
+    for n in sizes:
+        td = _td(backend, n)
+        out = graphed(td)
+        assert out is td and td.batch_size == (n,)
+        obs = backend.randn(n, 4)
+        action = graphed(observation=obs)  # the keyword call of a TensorDict module
+        kept.append((td["action"], net(td["observation"]), action, net(obs)))
+    backend.sync()
+    for got, expected, kw_got, kw_expected in kept:  # fresh memory: unchanged by later calls
+        torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(kw_got, kw_expected)
+    infos = graphed.graphs()
+    assert all(info.captured for info in infos)
+    # Each graph replays from its third call (warmup=2); a bucket's, for every batch it serves.
+    assert sum(info.replays for info in infos) >= 128
+    if options["shapes"] == "buckets":
+        keys = sorted(info.key for info in infos)
+        expected_keys = [(8,), (16,), (32,), (48,), (64,)] if "buckets" in options else None
+        assert keys == (expected_keys or [(1 << k,) for k in range(7)])
+        assert all(0 <= info.padded < 1 for info in infos)
+        assert any(info.padded > 0 for info in infos)
+
+
+@torch.no_grad()
+def test_buckets_replay_smaller_batches_through_the_bucket_graph(backend: Backend) -> None:
+    fn = counting(lambda x: {"y": x.tanh() * 2})
+    graphed = backend.wrap(fn, warmup=2, shapes="buckets", buckets=[16])
+    for n in (5, 16, 3, 11, 11, 1):
+        x = backend.randn(n, 3)
+        out = graphed(x)
+        assert out["y"].shape == (n, 3)
+        torch.testing.assert_close(out["y"], x.tanh() * 2)
+    (info,) = graphed.graphs()
+    assert info.key == (16,) and info.replays == 4
+    assert info.padded == pytest.approx(1 - (3 + 11 + 11 + 1) / 64)
+    if backend.name == "cuda":  # a replay runs no Python: two warm-up runs and the capture
+        assert fn.calls == 3
+
+
+@torch.no_grad()
+def test_exact_captures_a_graph_per_shape_with_its_own_warmup(backend: Backend) -> None:
+    fn = counting(lambda x, y: x @ y)
+    graphed = backend.wrap(fn, warmup=2, shapes="exact")
+    for n, m in [(2, 3), (2, 3), (2, 3), (4, 3), (4, 3), (4, 3), (2, 3)]:
+        x, y = backend.randn(n, m), backend.randn(m, 5)
+        torch.testing.assert_close(graphed(x, y), x @ y)
+    infos = {info.key: info for info in graphed.graphs()}
+    assert set(infos) == {((2, 3), (3, 5)), ((4, 3), (3, 5))}
+    assert infos[((2, 3), (3, 5))].replays == 2 and infos[((4, 3), (3, 5))].replays == 1
+    assert "2 of 2 graphs captured" in repr(graphed) and "shapes='exact'" in repr(graphed)
+
+
+def _agent(backend: Backend) -> tuple[Any, nn.Module, Any]:
+    net = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1)).to(backend.device)
+    lr = torch.tensor(1e-2, device=backend.device)
+    opt = torch.optim.Adam(net.parameters(), lr=lr, capturable=backend.name == "cuda")
+
+    def update(td: TensorDict) -> TensorDict:
+        opt.zero_grad(set_to_none=False)
+        loss = (net(td["obs"]) - td["target"]).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return TensorDict(loss=loss.detach())
+
+    return update, net, opt
+
+
+def test_training_step_with_a_short_last_minibatch_tracks_the_eager_twin(
+    backend: Backend,
+) -> None:
+    update, net, opt = _agent(backend)
+    twin_update, twin_net, twin_opt = _agent(backend)
+    twin_net.load_state_dict(net.state_dict())
+    graphed = backend.wrap(update, warmup=2, shapes="exact")
+    data = TensorDict(obs=backend.randn(200, 3), target=backend.randn(200, 1), batch_size=[200])
+    for epoch in range(4):
+        for start in range(0, 200, 64):  # minibatches of 64, 64, 64 and 8 rows
+            batch = data[start : start + 64]
+            loss = graphed(batch)["loss"]
+            torch.testing.assert_close(loss, twin_update(batch)["loss"], msg=f"epoch {epoch}")
+    for p, q in zip(net.parameters(), twin_net.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    assert sorted(info.key for info in graphed.graphs()) == [
+        ((8, 3), (8, 1)),
+        ((64, 3), (64, 1)),
+    ]
+
+
+def test_padding_is_refused_in_grad_mode(backend: Backend) -> None:
+    _, net = _policy(backend)
+    graphed = backend.wrap(net, warmup=1, shapes="buckets")
+    message = 'CudaGraphModule(shapes="buckets") does not pad calls in grad mode'
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        graphed(backend.randn(5, 4))
+
+
+def test_padding_is_refused_for_a_training_step(backend: Backend) -> None:
+    update, _, _ = _agent(backend)
+    graphed = backend.wrap(update, warmup=1, shapes="buckets")
+    batch = TensorDict(obs=backend.randn(5, 3), target=backend.randn(5, 1), batch_size=[5])
+    with pytest.raises(RuntimeError, match=re.escape("does not pad calls in grad mode")):
+        graphed(batch)  # a training step runs in grad mode
+
+
+def test_row_independent_pads_in_grad_mode_with_eager_gradients(backend: Backend) -> None:
+    _, net = _policy(backend)
+    twin = copy.deepcopy(net)
+    graphed = backend.wrap(net, warmup=2, shapes="buckets", row_independent=True)
+    for n in (5, 7, 3, 8, 6):
+        x = backend.randn(n, 4, requires_grad=True)
+        x_twin = x.detach().clone().requires_grad_()
+        out = graphed(x)
+        assert out.shape == (n, 2)
+        out.pow(2).sum().backward()
+        twin(x_twin).pow(2).sum().backward()
+        torch.testing.assert_close(x.grad, x_twin.grad)
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+@torch.no_grad()
+def test_outputs_computed_across_the_batch_are_refused(backend: Backend) -> None:
+    graphed = backend.wrap(lambda x: (x * 2, x.mean()), warmup=1, shapes="buckets")
+    message = "slices every output back to the call's rows, but output[1] has shape []"
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        graphed(backend.randn(5, 3))
+
+
+@torch.no_grad()
+def test_inputs_of_other_batch_dims_are_refused(backend: Backend) -> None:
+    graphed = backend.wrap(lambda x, y: x + y.sum(), warmup=1, shapes="buckets")
+    with pytest.raises(InputMismatchError, match=re.escape("args[0] has batch dims [5]")):
+        graphed(backend.randn(5, 3), backend.randn(4))
+    with pytest.raises(InputMismatchError, match=re.escape("but args[1] has shape []")):
+        graphed(backend.randn(5, 3), backend.randn(()))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("shapes", ["exact", "buckets"])
+def test_only_shapes_vary_other_differences_still_raise(backend: Backend, shapes: str) -> None:
+    graphed = backend.wrap(lambda x, *, scale: x * scale, warmup=1, shapes=shapes)
+    graphed(backend.randn(5, 3), scale=2.0)
+    graphed(backend.randn(5, 3), scale=2.0)
+    with pytest.raises(InputMismatchError, match=re.escape("float64")):
+        graphed(backend.randn(6, 3, dtype=torch.float64), scale=2.0)
+    with pytest.raises(InputMismatchError, match=re.escape('kwargs["scale"] = 2.0')):
+        graphed(backend.randn(6, 3), scale=3.0)
+    x = backend.randn(6, 4)  # another feature dim: a graph of its own, or not a batch to pad
+    if shapes == "exact":
+        torch.testing.assert_close(graphed(x, scale=2.0), x * 2.0)
+    else:
+        with pytest.raises(InputMismatchError, match=re.escape("shape")):
+            graphed(x, scale=2.0)
+
+
+@torch.no_grad()
+def test_past_max_graphs_a_warning_then_eager_calls(backend: Backend) -> None:
+    fn = counting(lambda x: x + 1)
+    graphed = backend.wrap(fn, warmup=1, shapes="exact", max_graphs=2)
+    graphed(backend.randn(1))
+    graphed(backend.randn(2))
+    with pytest.warns(GraphLimitWarning, match=re.escape("reached max_graphs=2")):
+        x = backend.randn(3)
+        torch.testing.assert_close(graphed(x), x + 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once
+        x = backend.randn(4)
+        torch.testing.assert_close(graphed(x), x + 1)
+    assert len(graphed.graphs()) == 2
+    strict = backend.wrap(fn, warmup=1, shapes="exact", max_graphs=1, overflow="raise")
+    strict(backend.randn(1))
+    with pytest.raises(RuntimeError, match=re.escape("reached max_graphs=1")):
+        strict(backend.randn(2))
+
+
+@torch.no_grad()
+def test_above_the_largest_bucket_eager_or_an_error(backend: Backend) -> None:
+    graphed = backend.wrap(lambda x: x * 3, warmup=1, shapes="buckets", buckets=[4, 8])
+    x = backend.randn(9, 2)
+    torch.testing.assert_close(graphed(x), x * 3)
+    strict = backend.wrap(
+        lambda x: x * 3, warmup=1, shapes="buckets", buckets=[4, 8], overflow="raise"
+    )
+    with pytest.raises(RuntimeError, match=re.escape("batch dims [9], above its largest bucket 8")):
+        strict(x)
+
+
+@torch.no_grad()
+def test_precapture_captures_every_bucket_largest_first(backend: Backend) -> None:
+    policy, net = _policy(backend)
+    graphed = backend.wrap(policy, warmup=3, shapes="buckets", buckets=[2, 8, 32])
+    graphed.precapture(_td(backend, 5))
+    assert [info.key for info in graphed.graphs()] == [(32,), (8,), (2,)]
+    assert all(info.captured and info.replays == 0 for info in graphed.graphs())
+    td = _td(backend, 7)
+    torch.testing.assert_close(graphed(td)["action"], net(td["observation"]))
+    lazy = backend.wrap(policy, warmup=2, shapes="buckets")
+    lazy.precapture(_td(backend, 20))
+    assert [info.key for info in lazy.graphs()] == [(32,), (16,), (8,), (4,), (2,), (1,)]
+
+
+@torch.no_grad()
+def test_verify_checks_the_first_replay_of_each_new_graph(backend: Backend) -> None:
+    graphed = backend.wrap(lambda x: x.tanh(), warmup=1, shapes="exact", verify=1)
+    for n in (2, 2, 2, 3, 3, 3, 2):
+        graphed(backend.randn(n))
+    assert graphed._verifier is not None and graphed._verifier.done == 2
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"shapes": "dynamic"},
+            "`shapes` must be one of 'static', 'exact', 'buckets', got 'dynamic'.",
+        ),
+        ({"shapes": "buckets", "buckets": [0, 4]}, "`buckets` must be a list of positive integers"),
+        ({"buckets": [4]}, "but shapes='static'. Pass shapes=\"buckets\" with it"),
+        ({"max_graphs": 0}, "`max_graphs` must be an integer greater than 0, got 0."),
+        ({"batch_dims": 0}, "`batch_dims` must be an integer greater than 0, got 0."),
+        ({"overflow": "drop"}, "`overflow` must be one of 'eager', 'raise', got 'drop'."),
+    ],
+    ids=["shapes", "buckets", "buckets-without-mode", "max_graphs", "batch_dims", "overflow"],
+)
+def test_invalid_options(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        CudaGraphModule(lambda x: x, backend="emulate", **options)
