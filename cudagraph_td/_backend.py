@@ -49,8 +49,6 @@ def make_backend(
     pool: Any,
     capture_error_mode: str,
     inputs: Any,
-    *,
-    shared_by_owner: bool = False,
 ) -> Backend:
     """The backend called ``name``; a CUDA one on ``device``, else on the inputs' device."""
     if name == "emulate":
@@ -67,18 +65,16 @@ def make_backend(
         )
     if device is None or device.index is None:  # "cuda" alone means the current device
         device = torch.device("cuda", torch.cuda.current_device())
-    return CudaBackend(device, pool, capture_error_mode, shared_by_owner=shared_by_owner)
+    return CudaBackend(device, pool, capture_error_mode)
 
 
 def backend_factory(
-    name: str, device: torch.device | None, pool: Any, capture_error_mode: str, own_pool: bool
+    name: str, device: torch.device | None, pool: Any, capture_error_mode: str
 ) -> Callable[[tuple[Any, ...], dict[str, Any]], Backend]:
     """What makes a wrapper's backend from the inputs of its first call (see `make_backend`)."""
 
     def make(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Backend:
-        return make_backend(
-            name, device, pool, capture_error_mode, (args, kwargs), shared_by_owner=own_pool
-        )
+        return make_backend(name, device, pool, capture_error_mode, (args, kwargs))
 
     return make
 
@@ -123,12 +119,42 @@ def _side_stream(device: torch.device) -> Any:
     return stream
 
 
+class SharedPool:
+    """The memory pool of a wrapper's graphs (one per device), usable for the wrapper's life.
+
+    torch (2.11) cannot capture into a pool again once every graph in it has been freed
+    (an internal assert), nor after a capture into it failed (it still counts as recording).
+    So each pool holds an *anchor*, an empty graph of its own, for as long as the wrapper
+    lives; and a failed capture leaves the pool to the graphs already in it, the next one
+    taking a new pool.
+    """
+
+    def __init__(self) -> None:
+        self._pools: dict[torch.device, tuple[Any, Any]] = {}  # device -> (handle, anchor)
+
+    def handle(self, device: torch.device) -> Any:
+        """The pool's handle on ``device``, made (with its anchor) at first use."""
+        if device not in self._pools:
+            handle = torch.cuda.graph_pool_handle()
+            scratch = torch.empty(1, device=device)
+            anchor = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(_side_stream(device)):
+                anchor.capture_begin(pool=handle)
+                scratch.zero_()  # a graph must hold a node for capture_end to accept it
+                anchor.capture_end()
+            self._pools[device] = (handle, anchor)
+        return self._pools[device][0]
+
+    def give_up(self, device: torch.device) -> None:
+        """After a failed capture into the pool: the next capture takes a new one."""
+        self._pools.pop(device, None)
+
+
 class CudaBackend:
     """Warm-up and capture on the device's side stream, into the given memory pool.
 
-    ``pool`` is the pool of the owner's graphs (``None``: a new one per capture);
-    ``shared_by_owner`` says that the owner chose it for all its graphs, so that a graph
-    captured for autograd takes a pool of its own instead (see :meth:`for_autograd`).
+    ``pool`` is the pool of the owner's graphs: a :class:`SharedPool`, a handle the user gave,
+    or ``None`` for a new one per capture.
     """
 
     reruns_python = False
@@ -138,13 +164,10 @@ class CudaBackend:
         device: torch.device,
         pool: Any = None,
         capture_error_mode: str = "global",
-        *,
-        shared_by_owner: bool = False,
     ):
         self.device = device
         self.pool = pool
         self.capture_error_mode = capture_error_mode
-        self.shared_by_owner = shared_by_owner
         # A side stream: the warm-up runs off the caller's stream so that lazy
         # initialisations (cuBLAS workspaces, autograd and optimizer state) happen before the
         # capture and not inside it. The capture runs on the same stream: autograd ties each
@@ -159,7 +182,7 @@ class CudaBackend:
         """The backend of a forward and backward pair: a pool of their own, unless the user
         gave one. What the forward saves for the backward stays in the pool between the two
         replays, while the owner's other graphs may replay and reuse the pool's free memory."""
-        if not self.shared_by_owner:
+        if not isinstance(self.pool, SharedPool):
             return self
         return CudaBackend(self.device, None, self.capture_error_mode)
 
@@ -194,7 +217,11 @@ class CudaBackend:
         torch.distributions.Distribution.set_default_validate_args(False)
         # A pool of its own unless given one: named here, so that a failed capture can end
         # its routing of allocations (see `_end_failed_capture`).
-        pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
+        shared = self.pool if isinstance(self.pool, SharedPool) else None
+        if shared is not None:
+            pool = shared.handle(self.device)
+        else:
+            pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
         try:
             with torch.cuda.stream(self._capture_stream), _no_autocast_cache():
                 graph.capture_begin(pool=pool, capture_error_mode=self.capture_error_mode)
@@ -202,6 +229,8 @@ class CudaBackend:
                     out = fn()
                 except BaseException:
                     self._end_failed_capture(graph, pool)
+                    if shared is not None:
+                        shared.give_up(self.device)
                     raise
                 with warnings.catch_warnings():
                     # A function that launches no kernel (it returns its input, or

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import torch
 
 from . import _errors, _errors_shapes, _graph, _modes, _shapes, _tdmodule, _verify
-from ._backend import backend_factory, check_options
+from ._backend import SharedPool, backend_factory, check_options
 from ._buckets import BucketGraphs
 from ._compat import interaction_type
 from ._modes import Mode, any_autocast, autocast_state
@@ -170,8 +170,7 @@ class CudaGraphModule:
         if backend == "auto":
             self._backend_name = "cuda" if torch.cuda.is_available() else "eager"
         # One pool for the wrapper's graphs, unless the user gives one.
-        self._own_pool = pool is None and self._backend_name == "cuda"
-        self._pool = torch.cuda.graph_pool_handle() if self._own_pool else pool
+        self._pool = SharedPool() if pool is None and self._backend_name == "cuda" else pool
         if self._backend_name == "eager":
             warnings.warn(
                 "CudaGraphModule is created on a machine without CUDA: calls run the function "
@@ -192,7 +191,7 @@ class CudaGraphModule:
         make_backend = None
         if self._backend_name != "eager":
             make_backend = backend_factory(
-                self._backend_name, self.device, self._pool, capture_error_mode, self._own_pool
+                self._backend_name, self.device, self._pool, capture_error_mode
             )
         # What makes the runner of each new graph (nothing in it refers to the wrapper).
         self._new_runner = functools.partial(
@@ -326,6 +325,9 @@ class CudaGraphModule:
 
     def pool(self) -> Any:
         """The memory pool of the wrapper's graphs, to share with other wrappers (``pool=``)."""
+        if isinstance(self._pool, SharedPool):
+            device = self.device or torch.device("cuda", torch.cuda.current_device())
+            return self._pool.handle(device)
         return self._pool
 
     def precapture(self, *args: Any, **kwargs: Any) -> None:
