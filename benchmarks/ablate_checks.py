@@ -24,6 +24,7 @@ sys.path[:0] = ["benchmarks", "benchmarks/baseline"]
 import workloads  # noqa: E402
 
 from cudagraph_td import CudaGraphModule  # noqa: E402
+from cudagraph_td._shapes import not_captured  # noqa: E402
 
 
 def main() -> None:
@@ -46,11 +47,14 @@ def main() -> None:
         for g in (now, stateless, *wrappers):
             for _ in range(4):
                 g(td)
-        runner = stateless._current_runner()
-        runner.captured.state = None
-        runner.replay = None
-        stateless._select()
-        state = now._current_runner().captured.state
+        graphs = stateless._current_graphs()
+        graphs.runners[None].captured.state = None
+        graphs._paths.clear()  # the replay path built again, without the state check
+        graphs.replay = not_captured
+        stateless._last = (None, None, None, None, not_captured, [0])
+        for _ in range(2):
+            stateless(td)
+        state = now._current_graphs().runners[None].captured.state
         calls |= {
             "now": lambda: now(td),
             "now without the state check": lambda: stateless(td),
@@ -84,7 +88,7 @@ def sac() -> None:
         for cell in now.__closure__  # type: ignore[attr-defined]
         if isinstance(cell.cell_contents, CudaGraphModule)
     )
-    captured = wrapper._current_runner().captured
+    captured = wrapper._current_graphs().runners[None].captured
     calls["State.fresh alone"] = captured.state.fresh
     calls["watch alone"] = captured._watch
     _time(calls, rounds=300, burst=8)
@@ -119,5 +123,47 @@ def _locked(lock: Any) -> None:
         pass
 
 
+def buckets() -> None:
+    """Workload f: where the CPU time of a call with shapes="buckets" goes, beside the floor
+    (run under no_grad)."""
+    device = torch.device("cuda")
+    workload = workloads.policy_random_batch(device)
+    calls = {name: workload.variants[name]() for name in ("floor", "cudagraph_td")}
+    graphed = CudaGraphModule(
+        workloads._policy(device), shapes="buckets", buckets=workloads.BUCKETS
+    )
+    td = TensorDict(observation=torch.randn(37, 17, device=device), batch_size=[37])
+    with torch.no_grad():
+        graphed.precapture(td)
+        for _ in range(3):
+            graphed(td)
+        graphs = graphed._current_graphs()
+        path, _ = graphs._table[td.shape]
+        captured = graphs.runners[(64,)].captured
+        calls |= {
+            "wrapper, one size": lambda: graphed(td),
+            "dispatch + path": lambda: graphed._last[4]((td,), {}),
+            "path alone": lambda: path((td,), {}),
+            "State.fresh alone": captured.state.fresh,
+            "td.shape alone": lambda: td.shape,
+        }
+        _time(calls, rounds=300, burst=16)
+        profile_calls = calls["cudagraph_td"]
+    import cProfile
+    import pstats
+
+    with torch.no_grad():
+        profile = cProfile.Profile()
+        profile.runcall(lambda: [profile_calls() for _ in range(3000)])
+    torch.cuda.synchronize()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(14)
+
+
 if __name__ == "__main__":
-    sac() if "--sac" in sys.argv else main()
+    torch.set_grad_enabled("--buckets" not in sys.argv)  # workload f is called under no_grad
+    if "--sac" in sys.argv:
+        sac()
+    elif "--buckets" in sys.argv:
+        buckets()
+    else:
+        main()

@@ -308,13 +308,17 @@ def verification_failed(name: str, replay: int, path: str, detail: str) -> str:
 
 def sample_args_not_tuples(received: Any) -> TypeError:
     return TypeError(
-        "`sample_args` must be a tuple of arguments for one callable, or a tuple of such "
-        f"tuples for a tuple of callables; got {type(received).__name__}."
+        "`sample_args` must be a tuple of arguments for one callable (or a list of such "
+        "tuples, one graph pair per shape), or a tuple of those for a tuple of callables; "
+        f"got {type(received).__name__}."
     )
 
 
 def sample_kwargs_not_dicts() -> TypeError:
-    return TypeError("`sample_kwargs` must be a dict for one callable, or a tuple of dicts.")
+    return TypeError(
+        "`sample_kwargs` must be a dict (or a list of dicts, one per shape) for one callable, "
+        "or a tuple of those."
+    )
 
 
 def sample_counts(callables: int, args: int, kwargs: int) -> TypeError:

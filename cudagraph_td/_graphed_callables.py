@@ -47,13 +47,20 @@ def make_graphed_callables(
     Args:
         callables: A callable or :class:`torch.nn.Module`, or a tuple of them.
         sample_args: A tuple of sample arguments, or a tuple of such tuples (one per callable).
-            Their tensors' ``requires_grad`` says which arguments get gradients.
+            Their tensors' ``requires_grad`` says which arguments get gradients. A list of
+            sample tuples for one callable captures a graph pair per entry (a batch size
+            each, say); a call replays the pair whose shapes it has.
         num_warmup_iters: The eager forward and backward runs before the capture.
         allow_unused_input: Accept an argument that requires grad but that the outputs do not
             depend on (its gradient is ``None``).
         pool: A memory pool to capture into (``torch.cuda.graph_pool_handle()``, or another
-            graph's ``pool()``). Defaults to a new pool shared by the callables.
-        sample_kwargs: The sample keyword arguments: a dict, or a tuple of dicts.
+            graph's ``pool()``). Defaults to a new pool per shape, shared by the callables.
+            Graph pairs of two shapes get two pools: a forward of one shape, then one of the
+            other before the first one's backward, would otherwise overwrite what the first
+            saved for its backward. A pool given here is shared by all the shapes: replay
+            each forward's backward before another shape's forward.
+        sample_kwargs: The sample keyword arguments: a dict, or a tuple of dicts; a list of
+            dicts for a list of sample tuples.
         capture_error_mode: Passed to :meth:`torch.cuda.CUDAGraph.capture_begin`.
         backend: ``"cuda"``; ``"emulate"`` for the CPU emulation of the graph contract
             (experimental, for tests); ``"auto"`` for ``"cuda"`` when CUDA is available, else
@@ -104,31 +111,58 @@ def make_graphed_callables(
             )
             return callables[0] if single else callables
         backend = "cuda"
-    if backend == "cuda" and pool is None:
-        pool = torch.cuda.graph_pool_handle()  # one pool for all the callables of the call
-    graph_backend = make_backend(
-        backend, None, pool, capture_error_mode, (sample_args, sample_kwargs)
-    )
-    if torch.is_autocast_enabled(graph_backend.device.type) and torch.is_autocast_cache_enabled():
+    # Each callable's samples: one (args, kwargs) per shape, a graph pair for each.
+    samples = [
+        _shapes_of(args, kwargs) for args, kwargs in zip(sample_args, sample_kwargs, strict=True)
+    ]
+    shapes = max(len(each) for each in samples)
+    # One pool per shape, shared by the callables of the call (forwards captured in order,
+    # backwards in reverse, as they replay): the graphs of two shapes may be replayed in any
+    # order, and what one forward saves for its backward must not lie in memory that the
+    # other shape's graphs use. A pool given by the user is shared by all.
+    backends = []
+    for k in range(shapes):
+        shape_pool = pool
+        if backend == "cuda" and pool is None:
+            shape_pool = torch.cuda.graph_pool_handle()
+        example = [each[k] for each in samples if k < len(each)]
+        backends.append(make_backend(backend, None, shape_pool, capture_error_mode, example))
+    device = backends[0].device
+    if torch.is_autocast_enabled(device.type) and torch.is_autocast_cache_enabled():
         raise _errors.autocast_cache()
-    captures = []
-    for fn, args, kwargs in zip(callables, sample_args, sample_kwargs, strict=True):
+    captures: list[list[Capture]] = [[] for _ in callables]
+    for fn, each, mine in zip(callables, samples, captures, strict=True):
         name = f"make_graphed_callables({_describe(fn)})"
         forward = fn.forward if isinstance(fn, torch.nn.Module) else fn
-        signature = Signature(name, args, kwargs, graph_backend.device, allow_grad=True)
-        capture = Capture(name, forward, signature, graph_backend, [], allow_unused_input)
-        # The emulation builds its static buffers from an eager result: it needs one run.
-        capture.warmup(num_warmup_iters if backend == "cuda" else max(1, num_warmup_iters))
-        captures.append(capture)
-    # One pool for all: forwards in order, backwards in reverse, as they will replay.
-    for capture in captures:
-        capture.capture_forward()
-    calls = [
-        capture.capture_backward(modules_state(fn))
-        for fn, capture in zip(callables[::-1], reversed(captures), strict=True)
-    ][::-1]
-    graphed = tuple(_graphed(fn, call) for fn, call in zip(callables, calls, strict=True))
+        for (args, kwargs), graph_backend in zip(each, backends, strict=False):
+            signature = Signature(name, args, kwargs, device, allow_grad=True)
+            capture = Capture(name, forward, signature, graph_backend, [], allow_unused_input)
+            # The emulation builds its static buffers from an eager result: it needs one run.
+            capture.warmup(num_warmup_iters if backend == "cuda" else max(1, num_warmup_iters))
+            mine.append(capture)
+    calls: list[list[DifferentiableCall | None]] = [[None] * len(each) for each in samples]
+    for k in range(shapes):
+        in_pool = [(i, mine[k]) for i, mine in enumerate(captures) if k < len(mine)]
+        for _, capture in in_pool:  # forwards in order, backwards in reverse
+            capture.capture_forward()
+        for i, capture in reversed(in_pool):
+            calls[i][k] = capture.capture_backward(modules_state(callables[i]))
+    graphed = tuple(
+        _graphed(fn, [c for c in mine if c is not None])
+        for fn, mine in zip(callables, calls, strict=True)
+    )
     return graphed[0] if single else graphed
+
+
+def _shapes_of(args: Any, kwargs: Any) -> list[tuple[Any, dict[str, Any]]]:
+    """A callable's samples, one ``(args, kwargs)`` per shape: a list of argument tuples
+    (with a list of kwargs dicts, or one dict for all) means one graph pair per entry."""
+    if not isinstance(args, list):
+        return [(args, kwargs)]
+    kwargs = kwargs if isinstance(kwargs, list) else [kwargs] * len(args)
+    if len(kwargs) != len(args):
+        raise _errors.sample_counts(len(args), len(args), len(kwargs))
+    return list(zip(args, kwargs, strict=True))
 
 
 def _describe(fn: Any) -> str:
@@ -143,9 +177,9 @@ def _check_arguments(
     capture_error_mode: str,
     backend: str,
 ) -> None:
-    if not isinstance(sample_args, tuple) or not all(isinstance(a, tuple) for a in sample_args):
+    if not isinstance(sample_args, tuple) or not all(_all(a, tuple) for a in sample_args):
         raise _errors.sample_args_not_tuples(sample_args)
-    if not isinstance(sample_kwargs, tuple) or not all(isinstance(k, dict) for k in sample_kwargs):
+    if not isinstance(sample_kwargs, tuple) or not all(_all(k, dict) for k in sample_kwargs):
         raise _errors.sample_kwargs_not_dicts()
     if not len(callables) == len(sample_args) == len(sample_kwargs):
         raise _errors.sample_counts(len(callables), len(sample_args), len(sample_kwargs))
@@ -153,6 +187,13 @@ def _check_arguments(
     for fn in callables:
         if isinstance(fn, torch.nn.Module):
             _check_module(fn)
+
+
+def _all(samples: Any, kind: type) -> bool:
+    """Whether ``samples`` is one ``kind``, or a non-empty list of them (one per shape)."""
+    if isinstance(samples, list):
+        return bool(samples) and all(isinstance(each, kind) for each in samples)
+    return isinstance(samples, kind)
 
 
 def _check_module(module: torch.nn.Module) -> None:
@@ -165,13 +206,17 @@ def _check_module(module: torch.nn.Module) -> None:
             raise _errors.buffer_requires_grad(type(module).__name__, name)
 
 
-def _graphed(fn: Any, call: DifferentiableCall) -> Any:
-    replay = _replay.replay_function(call, _replay.default_routes(call))
+def _graphed(fn: Any, calls: list[DifferentiableCall]) -> Any:
+    """The graphed callable: the replay path of each shape's call in turn, then the slow
+    path of the call whose shapes match (or the first one's error)."""
+    replays = [_replay.replay_function(call, _replay.default_routes(call)) for call in calls]
 
     def graphed(*args: Any, **kwargs: Any) -> Any:
-        out = replay(args, kwargs)
-        if out is not MISS:
-            return out
+        for replay in replays:
+            out = replay(args, kwargs)
+            if out is not MISS:
+                return out
+        call = next((c for c in calls if c.signature.diagnose(args, kwargs) is None), calls[0])
         if call.state is not None and not call.state.fresh():  # no recapture here: refuse
             raise _errors_state.replaced_after_capture(call.name, call.state.changes())
         return _replay.call(call, args, kwargs)

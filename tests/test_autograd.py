@@ -13,6 +13,8 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
 
+from cudagraph_td import InputMismatchError, make_graphed_callables
+
 from .conftest import Backend
 
 
@@ -430,3 +432,28 @@ def test_wrong_inputs_of_a_graphed_callable_are_refused(backend: Backend) -> Non
         graphed(backend.randn(8, 4), backend.randn(8, 4))
     x = backend.randn(8, 4)  # intact: a good call still matches eager
     torch.testing.assert_close(graphed(x), twin(x))
+
+
+def test_one_graph_pair_per_sample_shape(backend: Backend) -> None:
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).to(backend.device)
+    twin = copy.deepcopy(net)
+    graphed = backend.graph_callables(
+        net, [(backend.randn(16, 4, requires_grad=True),), (backend.randn(5, 4),)]
+    )
+    # Forwards of both shapes before either backward: each pair keeps its own saved tensors.
+    x16, x5 = backend.randn(16, 4, requires_grad=True), backend.randn(5, 4)
+    x16_twin = x16.detach().clone().requires_grad_()
+    loss = graphed(x16).pow(2).sum() + graphed(x5).sum()
+    loss.backward()
+    (twin(x16_twin).pow(2).sum() + twin(x5).sum()).backward()
+    torch.testing.assert_close(x16.grad, x16_twin.grad)
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    with pytest.raises(InputMismatchError, match=re.escape("shape")):
+        graphed(backend.randn(7, 4))
+
+
+def test_a_list_of_samples_must_hold_tuples() -> None:
+    net = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=re.escape("or a list of such tuples")):
+        make_graphed_callables(net, [(torch.randn(3, 2),), torch.randn(4, 2)], backend="emulate")

@@ -126,6 +126,8 @@ def test_training_step_with_a_short_last_minibatch_tracks_the_eager_twin(
             torch.testing.assert_close(loss, twin_update(batch)["loss"], msg=f"epoch {epoch}")
     for p, q in zip(net.parameters(), twin_net.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    for state, twin_state in zip(opt.state.values(), twin_opt.state.values(), strict=True):
+        torch.testing.assert_close(state["exp_avg"], twin_state["exp_avg"], rtol=1e-4, atol=1e-5)
     assert sorted(info.key for info in graphed.graphs()) == [
         ((8, 3), (8, 1)),
         ((64, 3), (64, 1)),
