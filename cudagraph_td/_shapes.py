@@ -173,14 +173,18 @@ class Graphs:
         captured = runner.captured
         out = runner.run(args, kwargs)
         if captured is not None and runner.captured is captured:  # a replay
-            self._replayed(key, captured, rows, padded_rows)
+            # A padded call's graph does not take calls of its rows on the replay path.
+            self._replayed(key, captured, rows, padded_rows, learn=rows == padded_rows)
         elif runner.captured is not None and rows == padded_rows:  # captured by this call
             self._served = (key, runner.captured, rows, padded_rows)
         return out
 
-    def _replayed(self, key: Hashable, captured: Captured, rows: int, padded_rows: int) -> None:
+    def _replayed(
+        self, key: Hashable, captured: Captured, rows: int, padded_rows: int, learn: bool = True
+    ) -> None:
         self.replayed = (key, captured)
-        self._served = (key, captured, rows, padded_rows)
+        if learn:
+            self._served = (key, captured, rows, padded_rows)
         count = self._slow.get((key, rows, padded_rows))
         if count is None:
             count = self._slow[(key, rows, padded_rows)] = [0]

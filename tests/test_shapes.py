@@ -273,3 +273,20 @@ def test_verify_checks_the_first_replay_of_each_new_graph(backend: Backend) -> N
 def test_invalid_options(options: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         CudaGraphModule(lambda x: x, backend="emulate", **options)
+
+
+def test_exact_in_grad_mode_keeps_each_shapes_saved_tensors(backend: Backend) -> None:
+    _, net = _policy(backend)
+    twin = copy.deepcopy(net)
+    graphed = backend.wrap(net, warmup=2, shapes="exact")
+    for _ in range(4):
+        # Both shapes' forwards before either backward: each graph pair keeps what its
+        # forward saved (a pool of its own), whatever the other replays in between.
+        a, b = backend.randn(5, 4, requires_grad=True), backend.randn(8, 4)
+        a_twin = a.detach().clone().requires_grad_()
+        (graphed(a).pow(2).sum() + graphed(b).tanh().sum()).backward()
+        (twin(a_twin).pow(2).sum() + twin(b).tanh().sum()).backward()
+        torch.testing.assert_close(a.grad, a_twin.grad)
+        for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)
+    assert [info.captured for info in graphed.graphs()] == [True, True]
