@@ -299,10 +299,13 @@ def _first_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 def exact_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     """The graph of a call with ``shapes="exact"``: its structure (TensorDict batch sizes
-    included) and the shapes of its tensors. Other differences (dtypes, constants) are the
-    errors of the graph's full check."""
+    included), the shapes of its tensors and which require grad. Other differences
+    (dtypes, constants) are the errors of the graph's full check."""
     leaves, spec = _tree.flatten((args, kwargs))
-    shapes = tuple(tuple(leaf.shape) for leaf in leaves if isinstance(leaf, torch.Tensor))
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    shapes = tuple(tuple(t.shape) for t in tensors)
+    if any(t.requires_grad for t in tensors):
+        shapes += (tuple(t.requires_grad for t in tensors),)
     try:
         hash(spec)
     except TypeError:  # a node's metadata that is not hashable

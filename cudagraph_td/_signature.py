@@ -169,8 +169,8 @@ class Signature:
         """The error that explains how a call's inputs differ from the captured ones.
 
         None when they differ only by the subclass of a tensor, which is not an error, or,
-        with ``shapes=False``, by shapes and batch sizes (a call for another graph of a
-        wrapper with ``shapes="exact"``).
+        with ``shapes=False``, by shapes, batch sizes and ``requires_grad`` (a call for
+        another graph of a wrapper with ``shapes="exact"``).
         """
         self._shapes = shapes
         captured = (self.static_args, self.static_kwargs)
@@ -264,6 +264,8 @@ class Signature:
             return _errors.dtype_mismatch(self.name, where, old.dtype, new.dtype)
         if self._shapes and new.shape != old.shape:
             return _errors.shape_mismatch(self.name, where, old.shape, new.shape)
+        if not self._shapes:  # another graph of shapes="exact": requires_grad may differ too
+            return None
         if new.requires_grad and not old.requires_grad:
             return _errors.requires_grad(self.name, where)
         if old.requires_grad and not new.requires_grad:
