@@ -22,7 +22,11 @@ CAPTURE_CAUSES = (
         ("cudaErrorStreamCaptureImplicit", "legacy stream", "capturing blocking stream"),
         "the function uses the default (legacy) stream or another stream that is not "
         "ordered after the capture stream; often an operation between devices. Keep the "
-        "function's work on the current stream.",
+        "function's work on the current stream. In grad mode, it is also what a capture "
+        "meets when a result of an earlier call (another shape's graph, an eager forward) "
+        "still holds its autograd graph: autograd then accumulates the parameters' "
+        "gradients on the caller's stream. Capture every shape first (`precapture`), or "
+        "run that result's backward before the new shape's first calls.",
     ),
     (
         ("capturable is False", "capturable=False"),
