@@ -55,14 +55,6 @@ def _leaves_requiring_grad(
     return list(found.values())
 
 
-def _grad_accumulator(leaf: torch.Tensor) -> Any:
-    """The node that accumulates ``leaf``'s gradient (made now, on the current stream, if no
-    live autograd graph holds one)."""
-    node = leaf.view_as(leaf).grad_fn
-    assert node is not None  # a leaf that requires grad: its view has a node
-    return node.next_functions[0][0]
-
-
 class _GraphedFunction(torch.autograd.Function):
     """``forward`` replays the forward graph, ``backward`` the backward graph."""
 
@@ -112,8 +104,6 @@ class BackwardGraph(NamedTuple):
     grad_outputs: list[torch.Tensor]  # the incoming gradients, one per differentiable output
     grad_inputs: tuple[torch.Tensor | None, ...]  # the computed ones, per surface tensor
     grad_slots: list[int]  # for each input of the node, its slot in grad_inputs, or -1
-    # The parameters' gradient accumulators, held for the life of the call (see below).
-    accumulators: list[Any]
 
 
 class DifferentiableCall:
@@ -150,7 +140,6 @@ class DifferentiableCall:
         self.generation = 0  # the number of forwards replayed: a backward must be the last's
         self._graphs = (forward.graph, backward.graph)  # held for the life of the call
         self._saved = forward.saved
-        self._accumulators = backward.accumulators
         self._mutated = mutated
         self._mutated_static = [signature.static_inputs[i] for i in mutated]
 
@@ -337,16 +326,7 @@ class Capture:
         for slot, i in enumerate(self.grad_inputs):
             slots[i] = slot
         slots += [len(self.grad_inputs) + k for k in range(len(self._params))]
-        # autograd ties a parameter's gradient accumulation to the stream on which its
-        # accumulator node was made, and keeps the node while an autograd graph holds it.
-        # Held here, made on the side stream, every later graph of the parameter (this
-        # call's replays on the caller's stream included) uses it: another graph of the
-        # same parameters, captured while one of this call's results still holds its
-        # graph, would otherwise find an accumulator of the caller's (legacy) stream, which
-        # a capture may not wait for.
-        params = self._params
-        accumulators = self.backend.warmup(lambda: [_grad_accumulator(p) for p in params])
-        backward = BackwardGraph(graph, grad_outputs, tuple(grads), slots, accumulators)
+        backward = BackwardGraph(graph, grad_outputs, tuple(grads), slots)
         self.call = DifferentiableCall(
             self.name, self.signature, self.mutated, self._params, forward, backward, state
         )
