@@ -126,15 +126,15 @@ def bucket_largest() -> list[Any]:
 def measure(name: str) -> dict[str, float]:
     """Run one scenario in this process; the memory its captures hold, in MiB."""
     with torch.no_grad():
-        _policy()(_td())  # CUDA context, cuBLAS handle and workspace: not the graphs'
+        policy = _policy()
+        policy(_td())  # CUDA context, cuBLAS handle and workspace: not the graphs'
+        params = sum(p.numel() * p.element_size() for p in policy.parameters())
         torch.cuda.synchronize()
         torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
         allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-        params = 0
         kept = SCENARIOS[name]()
         torch.cuda.synchronize()
-        params = sum(p.numel() * p.element_size() for _ in range(1) for p in _policy().parameters())
     return {
         "reserved_mib": (torch.cuda.memory_reserved() - reserved) / 2**20,
         "allocated_mib": (torch.cuda.memory_allocated() - allocated) / 2**20,
