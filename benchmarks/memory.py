@@ -1,8 +1,8 @@
 """GPU memory held by captured graphs: reserved (what other work cannot use), not only allocated.
 
 Each scenario runs in a process of its own (the caching allocator keeps what it reserved), and
-prints the memory reserved and allocated by its captures, beyond what the policies themselves
-hold:
+prints the memory that its policies and their captures reserve and allocate, beyond the CUDA
+context and cuBLAS's eager workspace:
 
 - ``raw shared pool``: 50 small policies captured with ``torch.cuda.graph`` on one pool.
 - ``raw private pools``: the same, one pool per graph.
