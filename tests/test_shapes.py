@@ -294,3 +294,19 @@ def test_exact_in_grad_mode_keeps_each_shapes_saved_tensors(backend: Backend) ->
         for p, q in zip(net.parameters(), twin.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad)
     assert [info.captured for info in graphed.graphs()] == [True, True]
+
+
+@torch.no_grad()
+def test_graphs_lists_the_static_graph_per_mode(backend: Backend) -> None:
+    graphed = backend.wrap(lambda x: x * 2, warmup=2)
+    assert graphed.graphs() == []
+    for _ in range(5):
+        graphed(backend.randn(3))
+    (info,) = graphed.graphs()
+    assert (info.mode, info.key, info.captured, info.replays, info.padded) == (
+        "no_grad",
+        None,
+        True,
+        3,
+        0.0,
+    )
