@@ -242,10 +242,22 @@ class Graphs:
     ) -> tuple[ReplayFunction, list[int]]:
         known = self._paths.get(id(captured))
         if known is None or known[2] is not captured:
+            self._forget_replaced()
             count = [0]
             self._counts.append((key, rows, padded_rows, count))
             known = self._paths[id(captured)] = (self._route(captured), count, captured)
         return known[0], known[1]
+
+    def _forget_replaced(self) -> None:
+        """Drop the replay paths and views of graphs captured again since (a replaced
+        parameter): they would keep the old graphs and their buffers alive."""
+        live = {id(runner.captured) for runner in self.runners.values()}
+        self._views = {k: v for k, v in self._views.items() if id(v[0]) in live}
+        live |= {id(view) for _, view in self._views.values()}
+        self._paths = {k: v for k, v in self._paths.items() if k in live}
+        paths = {id(path) for path, _, _ in self._paths.values()}
+        for shape in [s for s, (path, _) in self._table.items() if id(path) not in paths]:
+            del self._table[shape]
 
     def _dispatch(self) -> ReplayFunction:
         table = self._table

@@ -8,13 +8,15 @@ import os
 import sys
 import threading
 import weakref
+from typing import Any
 
+import pytest
 import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
 
-from cudagraph_td import CudaGraphModule
+from cudagraph_td import CudaGraphModule, RecaptureWarning
 
 from .conftest import Backend, current_runner, record, requires_cuda, run_threads
 
@@ -195,3 +197,26 @@ def test_a_call_on_a_side_stream_is_ordered_against_its_inputs_and_outputs() -> 
         torch.cuda.current_stream().wait_stream(side)
         torch.testing.assert_close(out, expected)
         torch.testing.assert_close(out, torch.full((1024,), 30.0, device="cuda"))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"shapes": "exact"}, {"shapes": "buckets", "buckets": [8]}],
+    ids=["static", "exact", "buckets"],
+)
+def test_a_graph_captured_again_frees_the_old_one(backend: Backend, options: Any) -> None:
+    # After a replaced parameter, the wrapper captures again: nothing may keep the old
+    # graph (and its buffers) alive, not even the replay paths learned for it.
+    net = torch.nn.Linear(4, 2).to(backend.device)
+    graphed = backend.wrap(net, warmup=2, **options)
+    with torch.no_grad():
+        for _ in range(3):
+            graphed(backend.randn(5, 4))
+        old = weakref.ref(next(iter(graphed._current_graphs().runners.values())).captured)
+        net.weight = torch.nn.Parameter(torch.randn(2, 4, device=backend.device))
+        with pytest.warns(RecaptureWarning):
+            for _ in range(4):
+                x = backend.randn(5, 4)
+                torch.testing.assert_close(graphed(x), net(x))
+    gc.collect()
+    assert old() is None
