@@ -310,3 +310,43 @@ def test_graphs_lists_the_static_graph_per_mode(backend: Backend) -> None:
         3,
         0.0,
     )
+
+
+@torch.no_grad()
+def test_two_batch_dims_and_nested_tensordicts_are_padded_and_sliced(backend: Backend) -> None:
+    def fn(td: TensorDict) -> TensorDict:
+        return TensorDict(out=td["obs"].tanh() + td["next", "obs"], batch_size=td.batch_size)
+
+    graphed = backend.wrap(fn, warmup=1, shapes="buckets", batch_dims=2)
+    for n, t in [(3, 5), (3, 5), (2, 7), (4, 8), (1, 1)]:
+        td = TensorDict(
+            obs=backend.randn(n, t, 2),
+            next=TensorDict(obs=backend.randn(n, t, 2), batch_size=[n, t]),
+            batch_size=[n, t],
+        )
+        out = graphed(td)
+        assert out.batch_size == (n, t)
+        torch.testing.assert_close(out["out"], fn(td)["out"])
+    assert sorted(info.key for info in graphed.graphs()) == [(1, 1), (2, 8), (4, 8)]
+
+
+@torch.no_grad()
+def test_tensorclass_inputs_are_padded_and_counted(backend: Backend) -> None:
+    from tensordict import tensorclass
+
+    @tensorclass
+    class Obs:
+        x: torch.Tensor
+        y: torch.Tensor
+
+    def fn(o: Obs) -> torch.Tensor:
+        return o.x * 2 + o.y
+
+    graphed = backend.wrap(fn, warmup=1, shapes="buckets")
+    for n in (3, 3, 2, 4, 3):
+        o = Obs(x=backend.randn(n, 2), y=backend.randn(n, 2), batch_size=[n])
+        torch.testing.assert_close(graphed(o), fn(o))
+    infos = {info.key: info for info in graphed.graphs()}
+    assert set(infos) == {(4,), (2,)}
+    assert infos[(4,)].replays == 3  # 3, 4 and 3 rows of 4
+    assert infos[(4,)].padded == pytest.approx(2 / 12)
