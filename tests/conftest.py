@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from tensordict import TensorDict
 
 from cudagraph_td import CudaGraphModule, make_graphed_callables
 
@@ -67,6 +68,25 @@ def cuda() -> Backend:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+def regression_step(backend: Backend, net: torch.nn.Module) -> tuple[Callable[..., Any], Any]:
+    """A whole training step of ``net`` (capturable Adam on CUDA, tensor learning rate) on a
+    TensorDict of ``obs`` and ``target``; returns the step and its optimizer."""
+    opt = torch.optim.Adam(
+        net.parameters(),
+        lr=torch.tensor(1e-2, device=backend.device),
+        capturable=backend.name == "cuda",
+    )
+
+    def update(td: TensorDict) -> TensorDict:
+        opt.zero_grad(set_to_none=False)
+        loss = (net(td["obs"]) - td["target"]).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return TensorDict(loss=loss.detach())
+
+    return update, opt
 
 
 def counting(fn: Callable[..., Any]) -> Callable[..., Any]:

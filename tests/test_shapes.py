@@ -16,7 +16,7 @@ from torch import nn
 
 from cudagraph_td import CudaGraphModule, GraphLimitWarning, InputMismatchError
 
-from .conftest import Backend, counting
+from .conftest import Backend, counting, regression_step
 
 MODES = [
     pytest.param({"shapes": "exact", "max_graphs": 128}, id="exact"),
@@ -98,16 +98,7 @@ def test_exact_captures_a_graph_per_shape_with_its_own_warmup(backend: Backend) 
 
 def _agent(backend: Backend) -> tuple[Any, nn.Module, Any]:
     net = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1)).to(backend.device)
-    lr = torch.tensor(1e-2, device=backend.device)
-    opt = torch.optim.Adam(net.parameters(), lr=lr, capturable=backend.name == "cuda")
-
-    def update(td: TensorDict) -> TensorDict:
-        opt.zero_grad(set_to_none=False)
-        loss = (net(td["obs"]) - td["target"]).pow(2).mean()
-        loss.backward()
-        opt.step()
-        return TensorDict(loss=loss.detach())
-
+    update, opt = regression_step(backend, net)
     return update, net, opt
 
 

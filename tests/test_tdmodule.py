@@ -17,7 +17,7 @@ from tensordict.nn import (
 )
 from torch import nn
 
-from .conftest import Backend
+from .conftest import Backend, regression_step
 
 
 def _actor(backend: Backend, out_keys: list[str] | None = None) -> TensorDictModule:
@@ -346,20 +346,7 @@ def test_torchrl_style_update_step(backend: Backend) -> None:
     twin.load_state_dict(value.state_dict())
 
     def make_update(net: nn.Module) -> Any:
-        opt = torch.optim.Adam(
-            net.parameters(),
-            lr=torch.tensor(1e-2, device=backend.device),
-            capturable=backend.name == "cuda",
-        )
-
-        def update(td: TensorDict) -> TensorDict:
-            opt.zero_grad(set_to_none=False)
-            loss = (net(td["obs"]) - td["target"]).pow(2).mean()
-            loss.backward()
-            opt.step()
-            return TensorDict(loss=loss.detach())
-
-        return update
+        return regression_step(backend, net)[0]
 
     graphed = backend.wrap(make_update(value), warmup=2)
     eager = make_update(twin)
