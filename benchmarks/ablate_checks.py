@@ -118,6 +118,71 @@ def _time(calls: dict[str, Any], *, rounds: int, burst: int) -> None:
         print(f"{name:32s} {statistics.median(times):8.3f} us")
 
 
+def _cycling(graphed: Any, graphs: Any) -> dict[str, Any]:
+    """The layers of the wrapper's call, over batches of random sizes (as workload f), and a
+    floor replaying the same graphs through views made once per size."""
+    rng = random.Random(1)
+    tds = [
+        TensorDict(observation=torch.randn(n, 17, device="cuda"), batch_size=[n])
+        for n in (rng.randint(1, 64) for _ in range(512))
+    ]
+    for td in tds:
+        graphed(td)
+    views = {}
+    for n in range(1, 65):
+        size = next(b for b in workloads.BUCKETS if b >= n)
+        captured = graphs.runners[(size,)].captured
+        static, out = captured._static_inputs[0], captured.outputs.static[0]
+        views[n] = ([static[:n]], out[:n], captured._replay)
+    position = [0]
+
+    def cycled(f: Any) -> Any:
+        def call() -> Any:
+            i = position[0] = (position[0] + 1) % len(tds)
+            return f(tds[i])
+
+        return call
+
+    def floor(td: TensorDict) -> TensorDict:
+        heads, out, replay = views[td.batch_size[0]]
+        torch._foreach_copy_(heads, [td["observation"]])
+        replay()
+        td["action"] = out.clone()
+        return td
+
+    table = graphs._table
+    one = tds[0]
+    return {
+        "one size: floor, same graphs": lambda: floor(one),
+        "one size: wrapper": lambda: graphed(one),
+        "cycled: floor, same graphs": cycled(floor),
+        "cycled: wrapper": cycled(graphed),
+        "cycled: dispatch + path": cycled(lambda td: graphed._last[4]((td,), {})),
+        "cycled: path alone": cycled(lambda td: table[td.shape][0]((td,), {})),
+    }
+
+
+def _pieces(graphed: Any, td: TensorDict) -> dict[str, Any]:
+    """Each step of the wrapper's call, alone (what the replay path's layers cost)."""
+    from cudagraph_td._compat import interaction_type, td_entries
+    from cudagraph_td._signature import metadata
+
+    t = td["observation"]
+    module = graphed.module
+    return {
+        "RLock with-block alone": lambda: _locked(graphed._lock),
+        "raw stream alone": lambda: torch._C._cuda_getCurrentRawStream(0),
+        "interaction type alone": interaction_type,
+        "grad mode alone": torch.is_grad_enabled,
+        "training alone": lambda: module.training,
+        "any autocast alone": torch._C._is_any_autocast_enabled,
+        "entries get alone": lambda: td_entries(td).get("observation"),
+        "metadata alone": lambda: metadata(t),
+        "data_ptr alone": t.data_ptr,
+        "empty lambda": lambda: None,
+    }
+
+
 def _locked(lock: Any) -> None:
     with lock:
         pass
@@ -140,12 +205,14 @@ def buckets() -> None:
         graphs = graphed._current_graphs()
         path, _ = graphs._table[td.shape]
         captured = graphs.runners[(64,)].captured
+        calls |= _cycling(graphed, graphs)
         calls |= {
             "wrapper, one size": lambda: graphed(td),
             "dispatch + path": lambda: graphed._last[4]((td,), {}),
             "path alone": lambda: path((td,), {}),
             "State.fresh alone": captured.state.fresh,
             "td.shape alone": lambda: td.shape,
+            **_pieces(graphed, td),
         }
         _time(calls, rounds=300, burst=16)
         profile_calls = calls["cudagraph_td"]

@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from . import _errors, _tree
+from . import _errors, _sharing, _tree
 from ._compat import (
     clear_cublas_workspaces,
     distributions_validate_args,
@@ -49,8 +49,14 @@ def make_backend(
     pool: Any,
     capture_error_mode: str,
     inputs: Any,
+    *,
+    share_workspace: bool = False,
 ) -> Backend:
-    """The backend called ``name``; a CUDA one on ``device``, else on the inputs' device."""
+    """The backend called ``name``; a CUDA one on ``device``, else on the inputs' device.
+
+    ``share_workspace``: whether its plain graphs use the device's shared cuBLAS workspace
+    (see `_sharing`), for an owner that orders its replays with every other wrapper's.
+    """
     if name == "emulate":
         return EmulatedBackend(device)
     if device is None:
@@ -65,16 +71,18 @@ def make_backend(
         )
     if device is None or device.index is None:  # "cuda" alone means the current device
         device = torch.device("cuda", torch.cuda.current_device())
-    return CudaBackend(device, pool, capture_error_mode)
+    return CudaBackend(device, pool, capture_error_mode, share_workspace=share_workspace)
 
 
 def backend_factory(
     name: str, device: torch.device | None, pool: Any, capture_error_mode: str
 ) -> Callable[[tuple[Any, ...], dict[str, Any]], Backend]:
-    """What makes a wrapper's backend from the inputs of its first call (see `make_backend`)."""
+    """What makes a wrapper's backend from the inputs of its first call (see `make_backend`):
+    its replays are ordered device-wide, so its plain graphs share the device's workspace."""
 
     def make(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Backend:
-        return make_backend(name, device, pool, capture_error_mode, (args, kwargs))
+        inputs = (args, kwargs)
+        return make_backend(name, device, pool, capture_error_mode, inputs, share_workspace=True)
 
     return make
 
@@ -164,10 +172,13 @@ class CudaBackend:
         device: torch.device,
         pool: Any = None,
         capture_error_mode: str = "global",
+        *,
+        share_workspace: bool = False,
     ):
         self.device = device
         self.pool = pool
         self.capture_error_mode = capture_error_mode
+        self.share_workspace = share_workspace
         # A side stream: the warm-up runs off the caller's stream so that lazy
         # initialisations (cuBLAS workspaces, autograd and optimizer state) happen before the
         # capture and not inside it. The capture runs on the same stream: autograd ties each
@@ -181,10 +192,11 @@ class CudaBackend:
     def for_autograd(self) -> CudaBackend:
         """The backend of a forward and backward pair: a pool of their own, unless the user
         gave one. What the forward saves for the backward stays in the pool between the two
-        replays, while the owner's other graphs may replay and reuse the pool's free memory."""
-        if not isinstance(self.pool, SharedPool):
-            return self
-        return CudaBackend(self.device, None, self.capture_error_mode)
+        replays, while the owner's other graphs may replay and reuse the pool's free memory.
+        And a workspace of their own: autograd replays the backward, out of the device's
+        replay order."""
+        pool = None if isinstance(self.pool, SharedPool) else self.pool
+        return CudaBackend(self.device, pool, self.capture_error_mode)
 
     def warmup(self, fn: Callable[[], T]) -> T:
         current = torch.cuda.current_stream(self.device)
@@ -199,12 +211,13 @@ class CudaBackend:
         # "global" error mode another stream's work would make the capture fail.
         torch.cuda.synchronize(self.device)
         # cuBLAS keeps a workspace per stream, made at its first use. The warm-up ran on this
-        # stream, so its workspace lies outside the graph's pool: a graph recorded with it
-        # would write into freed memory once anything clears cuBLAS workspaces, as
-        # torch.compile's CUDA graph trees do around each recording. Cleared here, the
-        # capture makes its own, in the graph's pool; cleared again after it, so that no
-        # later work on this stream uses the graph's (in a pool shared by several graphs,
-        # the next capture on this stream reuses it).
+        # stream, so its workspace lies outside every pool: a graph recorded with it would
+        # write into freed memory once anything clears cuBLAS workspaces, as torch.compile's
+        # CUDA graph trees do around each recording. Cleared here, the capture uses the
+        # device's shared one (made in a pool of its own, see `_sharing`) or makes its own,
+        # in the graph's pool; cleared again after it, so that no later eager work on this
+        # stream uses a graph's (in a pool shared by several graphs, the next capture on
+        # this stream reuses it).
         clear_cublas_workspaces()
         graph = torch.cuda.CUDAGraph()
         # A garbage collection during the capture can free tensors of other streams, whose
@@ -224,6 +237,8 @@ class CudaBackend:
             pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
         try:
             with torch.cuda.stream(self._capture_stream), _no_autocast_cache():
+                if self.share_workspace:
+                    _sharing.prime(self.device)
                 graph.capture_begin(pool=pool, capture_error_mode=self.capture_error_mode)
                 try:
                     out = fn()

@@ -148,9 +148,9 @@ _CAPTURE_LOCK = threading.RLock()
 def capture_turn(lock: Any = None) -> Iterator[None]:
     """Hold the capture lock: the one lock under which a wrapper's function runs.
 
-    ``lock`` is the wrapper's own, which the calling thread holds once. When another thread
-    holds the capture lock, this thread waits for it without holding ``lock``: the other
-    thread's function may call this wrapper (a wrapper calling another), and would otherwise
+    ``lock`` is the wrappers' replay lock (`_sharing.REPLAY_LOCK`), which the calling thread
+    holds once. When another thread holds the capture lock, this thread waits for it without
+    holding ``lock``: the other thread's function may call a wrapper, and would otherwise
     wait for this thread, which waits for it. The wrapper's state may then have moved on
     while this thread waited (the other thread may have warmed it up or captured it).
     """

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import functools
-import threading
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
 
-from . import _errors, _errors_shapes, _graph, _modes, _shapes, _tdmodule, _verify
+from . import _errors, _errors_shapes, _graph, _modes, _shapes, _sharing, _tdmodule, _verify
 from ._backend import SharedPool, backend_factory, check_options
 from ._buckets import BucketGraphs
 from ._compat import interaction_type
@@ -178,9 +177,9 @@ class CudaGraphModule:
                 UserWarning,
                 stacklevel=2,
             )
-        # One call at a time: threads that share the wrapper take turns, so that none reads
-        # another's static buffers (re-entrant: the function may call the wrapper).
-        self._lock = threading.RLock()
+        # One call at a time: threads take turns, so that none reads another's static buffers,
+        # nor replays between another's replay order check and its launch (see `_sharing`).
+        self._lock = _sharing.REPLAY_LOCK
         self._fn = module
         self._verifier = _verify.Verifier(name, module, verify) if verify else None
         self._layer: _tdmodule.TensorDictLayer | None = None
@@ -202,10 +201,8 @@ class CudaGraphModule:
         self._hits: dict[Mode, list[int]] = {}
         # The last call's mode, its replay path and its count (see `__call__`): none yet.
         self._last: tuple[Any, ...] = (None, None, None, None, not_captured, [0])
-        # The CUDA stream of the last call, and its device (see `_follow_stream`).
-        self._stream: Any = None
-        self._raw_stream: int | None = None
-        self._stream_device: int | None = None
+        # The replay order of the graphs' device, once known (see `_sharing.ReplayOrder`).
+        self._order: _sharing.ReplayOrder | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # The replay path. While the mode is the last call's (compared part by part, by
@@ -213,10 +210,9 @@ class CudaGraphModule:
         # which answers MISS for a call it leaves to `_call`.
         self._lock.acquire()
         try:
-            if self._raw_stream is not None and self._raw_stream != _raw_stream(  # type: ignore[misc]
-                self._stream_device
-            ):
-                self._follow_stream()  # a call on another stream than the last one
+            order = self._order
+            if order is not None and order.raw != _raw_stream(order.device):  # type: ignore[misc]
+                order.follow()  # a call on another stream than the device's last replay
             interaction, grad, training, autocast, replay, hits = self._last
             if (
                 interaction_type() is interaction
@@ -232,14 +228,6 @@ class CudaGraphModule:
         finally:
             self._lock.release()
 
-    def _follow_stream(self) -> None:
-        """Order this call's stream after the last call's: a replay overwrites the static
-        buffers that the last one's copies may still be reading on its own stream."""
-        stream = torch.cuda.current_stream(self._stream_device)
-        if self._stream is not None:
-            stream.wait_stream(self._stream)
-        self._stream, self._raw_stream = stream, stream.cuda_stream
-
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The slow path: a warm-up, a capture, a replay checked in full, or a verified one."""
         mode, graphs = self._select()
@@ -251,9 +239,9 @@ class CudaGraphModule:
         else:
             out = graphs.run(args, kwargs)
         backend = next((r.backend for r in graphs.runners.values() if r.backend), None)
-        if self._stream_device is None and backend is not None and backend.device.type == "cuda":
-            self._stream_device = backend.device.index  # from now on, calls follow streams
-            self._follow_stream()
+        if self._order is None and backend is not None and backend.device.type == "cuda":
+            self._order = _sharing.replay_order(backend.device.index)  # calls follow it
+            self._order.follow()
         served = graphs.replayed
         if verifier is not None and served is not None and verifier.wants((mode, served[0])):
             assert backend is not None
