@@ -238,7 +238,7 @@ class CudaBackend:
         try:
             with torch.cuda.stream(self._capture_stream), _no_autocast_cache():
                 if self.share_workspace:
-                    _sharing.prime(self.device)
+                    self._prime_workspace()
                 graph.capture_begin(pool=pool, capture_error_mode=self.capture_error_mode)
                 try:
                     out = fn()
@@ -259,6 +259,26 @@ class CudaBackend:
             if gc_was_enabled:
                 gc.enable()
         return graph, out
+
+    def _prime_workspace(self) -> None:
+        """Make the capture stream's cuBLAS workspaces in the device's workspace pool, for the
+        capture that follows to use (see `_sharing`). If that fails, it makes its own."""
+        # cuBLAS creates its handles at first use, which no capture admits: run the products
+        # once outside one; the workspaces they make lie outside every pool: cleared again.
+        _sharing.products(self.device)
+        clear_cublas_workspaces()
+        pool = _sharing.workspace_pool(self.device)
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=pool)
+        try:
+            _sharing.products(self.device)
+            graph.capture_end()
+        except Exception:
+            self._end_failed_capture(graph, pool)
+            _sharing.retire(self.device)
+            clear_cublas_workspaces()
+            return
+        _sharing.adopt(self.device, graph)
 
     def _end_failed_capture(self, graph: torch.cuda.CUDAGraph, pool: Any) -> None:
         """Take the capture stream out of capture mode after the function raised inside it."""

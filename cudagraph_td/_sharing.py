@@ -8,7 +8,7 @@ trees free the workspaces around each recording, and the freed memory goes to ot
 tensors, which the graph's replays would then overwrite.
 
 So the wrappers' graphs share one workspace per device, made by a small capture into a pool
-that holds nothing else (:func:`prime`): freed, by whoever clears the workspaces, its memory
+that holds nothing else (see `CudaBackend`): freed, by whoever clears the workspaces, its memory
 stays in that pool, where only the next workspace can take it. Graphs that share memory
 must not run at the same time: every wrapper's replay is ordered after the last replay on
 its device (:class:`ReplayOrder`), and all wrappers take :data:`REPLAY_LOCK` for a call, so
@@ -27,29 +27,40 @@ REPLAY_LOCK = threading.RLock()
 
 # Per device: the workspace pool's handle, and the first priming graph, which keeps the pool
 # usable (torch cannot capture into a pool whose graphs were all freed; see `SharedPool`).
-_workspace_pools: dict[torch.device, tuple[Any, torch.cuda.CUDAGraph]] = {}
+_workspace_pools: dict[torch.device, tuple[Any, torch.cuda.CUDAGraph | None]] = {}
+# The anchors of pools given up after a failed priming: graphs may still use their workspace.
+_retired: list[Any] = []
 
 
-def prime(device: torch.device) -> None:
-    """Make cuBLAS's and cuBLASLt's workspaces of the current stream in ``device``'s workspace
-    pool, for the capture that follows on this stream to use.
-
-    The current stream must have no workspace yet (cleared, see `CudaBackend.capture`): a
-    capture of two small matrix products makes them, in the pool it records into.
-    """
+def workspace_pool(device: torch.device) -> Any:
+    """The handle of ``device``'s workspace pool, which holds nothing but workspaces."""
     known = _workspace_pools.get(device)
-    handle = known[0] if known is not None else torch.cuda.graph_pool_handle()
-    a = torch.ones(8, 8, device=device)
-    b = torch.ones(8, device=device)
-    graph = torch.cuda.CUDAGraph()
-    graph.capture_begin(pool=handle)
-    try:
-        torch.mm(a, a)  # cuBLAS
-        torch.nn.functional.linear(a, a, b)  # cuBLASLt, for a product with a bias
-    finally:
-        graph.capture_end()
     if known is None:
+        known = _workspace_pools[device] = (torch.cuda.graph_pool_handle(), None)
+    return known[0]
+
+
+def products(device: torch.device) -> None:
+    """Matrix products that make the current stream's cuBLAS and cuBLASLt workspaces: run in
+    a capture into the workspace pool (see `CudaBackend`), they make them there."""
+    a = torch.ones(8, 8, device=device)
+    torch.mm(a, a)  # cuBLAS
+    torch.nn.functional.linear(a, a, a[0])  # cuBLASLt, for a product with a bias
+
+
+def adopt(device: torch.device, graph: torch.cuda.CUDAGraph) -> None:
+    """Keep ``graph``, a priming capture, as the pool's anchor if it has none yet."""
+    handle, anchor = _workspace_pools[device]
+    if anchor is None:
         _workspace_pools[device] = (handle, graph)
+
+
+def retire(device: torch.device) -> None:
+    """After a failed priming capture (the pool counts as recording still): the next priming
+    takes a new pool; the old one's anchor stays alive, for the graphs that use it."""
+    known = _workspace_pools.pop(device, None)
+    if known is not None:
+        _retired.append(known[1])
 
 
 class ReplayOrder:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 import threading
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
-from cudagraph_td import CudaGraphModule
+from cudagraph_td import CudaGraphModule, _sharing
 
 from .conftest import requires_cuda, run_threads
 
@@ -119,3 +123,45 @@ def test_threads_with_wrappers_and_streams_of_their_own_get_their_results() -> N
     for pairs in results.values():
         for out, expected in pairs:
             torch.testing.assert_close(out, expected)
+
+
+@requires_cuda
+def test_a_first_capture_before_any_matrix_product_in_the_process() -> None:
+    # The shared workspace is made by matrix products; the first ones of a process create
+    # cuBLAS's handle, which no capture admits. A process whose first graph has no product.
+    script = (
+        "import torch, cudagraph_td\n"
+        "graphed = cudagraph_td.CudaGraphModule(lambda x: x + 1, warmup=2)\n"
+        "x = torch.ones(4, device='cuda')\n"
+        "outs = [graphed(x) for _ in range(3)]\n"
+        "assert all(bool((out == 2).all()) for out in outs)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@requires_cuda
+def test_a_failed_workspace_priming_leaves_the_capture_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    products = _sharing.products
+
+    def failing(device: torch.device) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("priming failed")
+        products(device)
+
+    monkeypatch.setattr(_sharing, "products", failing)
+    net = _policy()
+    with torch.no_grad():
+        graphed = _captured(net)
+        assert not torch.cuda.is_current_stream_capturing()
+        x = torch.randn(32, 17, device="cuda")
+        torch.testing.assert_close(graphed(x), net(x))
+    monkeypatch.setattr(_sharing, "products", products)
+    with torch.no_grad():  # the next priming takes a new pool
+        other_net = _policy()
+        other = _captured(other_net)
+        torch.testing.assert_close(other(x), other_net(x))
+        torch.testing.assert_close(graphed(x), net(x))
