@@ -263,10 +263,12 @@ class CudaBackend:
     def _prime_workspace(self) -> None:
         """Make the capture stream's cuBLAS workspaces in the device's workspace pool, for the
         capture that follows to use (see `_sharing`). If that fails, it makes its own."""
-        # cuBLAS creates its handles at first use, which no capture admits: run the products
-        # once outside one; the workspaces they make lie outside every pool: cleared again.
-        _sharing.products(self.device)
-        clear_cublas_workspaces()
+        # cuBLAS creates a thread's handles at first use, which no capture admits: the first
+        # time, the products run outside one (their workspaces, outside every pool, are
+        # cleared again).
+        if _sharing.first_use(self.device):
+            _sharing.products(self.device)
+            clear_cublas_workspaces()
         pool = _sharing.workspace_pool(self.device)
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(pool=pool)
@@ -283,7 +285,10 @@ class CudaBackend:
     def _end_failed_capture(self, graph: torch.cuda.CUDAGraph, pool: Any) -> None:
         """Take the capture stream out of capture mode after the function raised inside it."""
         try:
-            graph.capture_end()
+            with warnings.catch_warnings():
+                # Raised before its first kernel, the function left the graph empty.
+                warnings.filterwarnings("ignore", "The CUDA Graph is empty")
+                graph.capture_end()
         except RuntimeError:
             # The error that broke the capture also invalidated it, and ending it raises
             # again; the caller raises the first error, which says what went wrong. torch

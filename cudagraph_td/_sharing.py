@@ -40,6 +40,21 @@ def workspace_pool(device: torch.device) -> Any:
     return known[0]
 
 
+# The devices on which this thread has cuBLAS handles (see `CudaBackend`): per thread, as
+# torch keeps them.
+_handles = threading.local()
+
+
+def first_use(device: torch.device) -> bool:
+    """Whether this thread primes a workspace on ``device`` for the first time (it may
+    have no cuBLAS handle yet, which no capture can create)."""
+    devices = _handles.__dict__.setdefault("devices", set())
+    if device in devices:
+        return False
+    devices.add(device)
+    return True
+
+
 def products(device: torch.device) -> None:
     """Matrix products that make the current stream's cuBLAS and cuBLASLt workspaces: run in
     a capture into the workspace pool (see `CudaBackend`), they make them there."""
