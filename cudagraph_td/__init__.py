@@ -4,6 +4,7 @@ from ._errors import InputMismatchError as InputMismatchError
 from ._errors_shapes import GraphLimitWarning as GraphLimitWarning
 from ._graphed_callables import make_graphed_callables as make_graphed_callables
 from ._module import CudaGraphModule as CudaGraphModule
+from ._sharing import capture_stream as capture_stream
 from ._state import RecaptureWarning as RecaptureWarning
 from ._verify import VerificationError as VerificationError
 from ._version import __version__ as __version__
@@ -15,5 +16,6 @@ __all__ = [
     "RecaptureWarning",
     "VerificationError",
     "__version__",
+    "capture_stream",
     "make_graphed_callables",
 ]

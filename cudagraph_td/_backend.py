@@ -114,19 +114,6 @@ class Backend(Protocol):
         ...
 
 
-# One side stream per device, for every backend (see `CudaBackend`). The caching allocator
-# keeps freed memory per stream, and cuBLAS a 32 MiB workspace per stream (on Hopper): a
-# stream per wrapper would leave that much cached per wrapper, which no other one reuses.
-_side_streams: dict[torch.device, Any] = {}
-
-
-def _side_stream(device: torch.device) -> Any:
-    stream = _side_streams.get(device)
-    if stream is None:
-        stream = _side_streams[device] = torch.cuda.Stream(device)
-    return stream
-
-
 class SharedPool:
     """The memory pool of a wrapper's graphs (one per device), usable for the wrapper's life.
 
@@ -146,7 +133,7 @@ class SharedPool:
             handle = torch.cuda.graph_pool_handle()
             scratch = torch.empty(1, device=device)
             anchor = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(_side_stream(device)):
+            with torch.cuda.stream(_sharing.capture_stream(device)):
                 anchor.capture_begin(pool=handle)
                 scratch.zero_()  # a graph must hold a node for capture_end to accept it
                 anchor.capture_end()
@@ -186,7 +173,7 @@ class CudaBackend:
         # and a warm-up result still alive during the capture (the capturing call's result)
         # would otherwise tie it to another stream than the captured backward's. Warm-ups
         # and captures hold the process's capture lock: one stream serves every wrapper.
-        self._side_stream = _side_stream(device)
+        self._side_stream = _sharing.capture_stream(device)
         self._capture_stream = self._side_stream
 
     def for_autograd(self) -> CudaBackend:

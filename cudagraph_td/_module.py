@@ -9,7 +9,17 @@ from typing import Any, Literal
 
 import torch
 
-from . import _errors, _errors_shapes, _graph, _modes, _shapes, _sharing, _tdmodule, _verify
+from . import (
+    _distributed,
+    _errors,
+    _errors_shapes,
+    _graph,
+    _modes,
+    _shapes,
+    _sharing,
+    _tdmodule,
+    _verify,
+)
 from ._backend import SharedPool, backend_factory, check_options
 from ._buckets import BucketGraphs
 from ._compat import interaction_type
@@ -161,6 +171,7 @@ class CudaGraphModule:
         name = type(self).__name__
         if backend == "cuda" and not torch.cuda.is_available():
             raise _errors.no_cuda(name)
+        mode = _distributed.capture_error_mode(name, module, warmup, capture_error_mode)
         self.module = module
         self._warmup = warmup
         self.in_keys, self.out_keys = _tdmodule.resolve_keys(name, module, in_keys, out_keys)
@@ -189,9 +200,7 @@ class CudaGraphModule:
         self._has_training = hasattr(module, "training")
         make_backend = None
         if self._backend_name != "eager":
-            make_backend = backend_factory(
-                self._backend_name, self.device, self._pool, capture_error_mode
-            )
+            make_backend = backend_factory(self._backend_name, self.device, self._pool, mode)
         # What makes the runner of each new graph (nothing in it refers to the wrapper).
         self._new_runner = functools.partial(
             _graph.GraphRunner, name, self._fn, warmup, make_backend, self._lock

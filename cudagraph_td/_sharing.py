@@ -78,6 +78,33 @@ def retire(device: torch.device) -> None:
         _retired.append(known[1])
 
 
+# One side stream per device, for every backend (see `CudaBackend`). The caching allocator
+# keeps freed memory per stream, and cuBLAS a 32 MiB workspace per stream (on Hopper): a
+# stream per wrapper would leave that much cached per wrapper, which no other one reuses.
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device | int | str | None = None) -> torch.cuda.Stream:
+    """The stream on which every graph of this library on ``device`` is warmed up and
+    captured (default: the current CUDA device).
+
+    Objects that autograd ties to a stream when they are made must be made on it, for
+    their backward to be captured: build a
+    :class:`~torch.nn.parallel.DistributedDataParallel` whose training step you capture
+    whole under it (see [Several GPUs](several-gpus.md)).
+
+    Example:
+        >>> with torch.cuda.stream(cudagraph_td.capture_stream()):  # doctest: +SKIP
+        ...     model = DistributedDataParallel(net, device_ids=[rank])
+    """
+    index: int | None = torch.device("cuda" if device is None else device).index
+    device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(device)
+    return stream
+
+
 class ReplayOrder:
     """The stream of the last replay on a device, which the next one on another stream waits
     for: the replays of graphs that share memory (a workspace, a pool) never overlap.

@@ -14,14 +14,17 @@ ROOT = pathlib.Path(__file__).parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
 
-def _run(script: pathlib.Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """Run ``script`` as a user would, with the repository importable; check it succeeded."""
+def _run(
+    script: pathlib.Path, *args: str, launcher: tuple[str, ...] | list[str] = ()
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` as a user would (through ``python *launcher``), with the repository
+    importable; check it succeeded."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
     result = subprocess.run(
-        [sys.executable, str(script), *args],
+        [sys.executable, *launcher, str(script), *args],
         capture_output=True,
         text=True,
         env=env,
@@ -43,3 +46,13 @@ def test_benchmark_runs_without_cuda_and_says_so() -> None:
     result = _run(ROOT / "benchmarks" / "run.py", "--repeats", "1", "--calls", "20")
     assert "CUDA graphs need CUDA" in result.stdout
     assert "cudagraph_td" in result.stdout and "tensordict" in result.stdout
+
+
+def test_ddp_example_runs_on_two_processes() -> None:
+    # On CPU: two gloo processes, the graphed variants on the emulation (what CI runs); on
+    # a machine with two GPUs or more: two NCCL processes, a GPU each.
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (one process per GPU); run as a script above on one")
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    result = _run(ROOT / "examples" / "ddp_update.py", "--steps", "20", launcher=launcher)
+    assert "2 ranks, 20 updates: parameters equal across variants and ranks" in result.stdout

@@ -1,0 +1,99 @@
+"""DistributedDataParallel around a graph: what a capture needs is checked up front."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from cudagraph_td import CudaGraphModule, capture_stream, make_graphed_callables
+
+from .conftest import Backend
+
+
+@contextlib.contextmanager
+def _one_process(name: str) -> Iterator[None]:
+    dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def group() -> Iterator[None]:
+    """A process group of one process (gloo), for DDP modules on the CPU."""
+    with _one_process("gloo"):
+        yield
+
+
+def _step(ddp: nn.Module, optimizer: torch.optim.Optimizer) -> object:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return step
+
+
+def test_a_ddp_module_itself_is_refused(group: None) -> None:
+    ddp = DDP(nn.Linear(4, 1))
+    with pytest.raises(TypeError, match=re.escape("cannot replay a DistributedDataParallel")):
+        CudaGraphModule(ddp, backend="emulate")
+
+
+def test_a_step_calling_ddp_needs_eleven_eager_iterations(group: None) -> None:
+    ddp = DDP(nn.Linear(4, 1))
+    step = _step(ddp, torch.optim.Adam(ddp.parameters()))
+    message = "(`ddp`), with warmup=2: DDP rebuilds its gradient buckets"
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        CudaGraphModule(step, warmup=2, backend="emulate")
+    assert "Pass `warmup=12` or more." in str(info.value)
+
+
+def test_ddp_step_and_graphed_module_under_ddp_track_eager_ddp(backend: Backend) -> None:
+    # A group of one process: the all-reduce runs (captured, on CUDA), over one rank; two
+    # ranks are the example's (tests/test_examples.py).
+    with _one_process("nccl" if backend.name == "cuda" else "gloo"):
+        _track_eager_ddp(backend)
+
+
+def _track_eager_ddp(backend: Backend) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1)).to(backend.device)
+    ids = [backend.device.index] if backend.name == "cuda" else None
+    eager, partial, whole = (copy.deepcopy(net) for _ in range(3))
+    eager_ddp = DDP(eager, device_ids=ids)
+    sample = backend.randn(16, 8)
+    partial_ddp = DDP(
+        make_graphed_callables(partial, (sample,), backend=backend.name), device_ids=ids
+    )
+    with torch.cuda.stream(capture_stream()) if ids else contextlib.nullcontext():
+        whole_ddp = DDP(whole, device_ids=ids)  # its accumulators on the capture stream
+    lr = 1e-2
+    steps = {
+        "eager": _step(eager_ddp, torch.optim.SGD(eager_ddp.parameters(), lr=lr)),
+        "partial": _step(partial_ddp, torch.optim.SGD(partial_ddp.parameters(), lr=lr)),
+        "whole": CudaGraphModule(
+            _step(whole_ddp, torch.optim.SGD(whole_ddp.parameters(), lr=lr)),
+            warmup=12,
+            backend=backend.name,
+        ),
+    }
+    for _ in range(20):
+        x, y = backend.randn(16, 8), backend.randn(16, 1)
+        losses = {kind: step(x, y) for kind, step in steps.items()}
+        torch.testing.assert_close(losses["partial"], losses["eager"])
+        torch.testing.assert_close(losses["whole"], losses["eager"])
+    for model in (partial, whole):
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p, q)
