@@ -253,12 +253,13 @@ class CudaBackend:
         # cuBLAS creates a thread's handles at first use, which no capture admits: the first
         # time, the products run outside one (their workspaces, outside every pool, are
         # cleared again).
-        if _sharing.first_use(self.device):
+        if not _sharing.has_handles(self.device):
             _sharing.products(self.device)
+            _sharing.mark_handles(self.device)
             clear_cublas_workspaces()
         pool = _sharing.workspace_pool(self.device)
         graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(pool=pool)
+        graph.capture_begin(pool=pool, capture_error_mode=self.capture_error_mode)
         try:
             _sharing.products(self.device)
             graph.capture_end()

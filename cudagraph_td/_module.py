@@ -82,7 +82,8 @@ class CudaGraphModule:
             of the wrapper's own, shared by its graphs (a graph captured for autograd takes
             one of its own).
         capture_error_mode: Passed to :meth:`torch.cuda.CUDAGraph.capture_begin`: one of
-            ``"global"``, ``"thread_local"``, ``"relaxed"``.
+            ``"global"``, ``"thread_local"`` (taken for ``"global"`` by a step that calls a
+            DDP module: see [Several GPUs](several-gpus.md)), ``"relaxed"``.
         backend: ``"cuda"`` for CUDA graphs; ``"emulate"`` for the CPU emulation of their
             contract (static buffers, outputs overwritten at each replay), which lets the
             code that uses the wrapper be tested on a machine without a GPU (experimental);

@@ -45,14 +45,14 @@ def workspace_pool(device: torch.device) -> Any:
 _handles = threading.local()
 
 
-def first_use(device: torch.device) -> bool:
-    """Whether this thread primes a workspace on ``device`` for the first time (it may
-    have no cuBLAS handle yet, which no capture can create)."""
-    devices = _handles.__dict__.setdefault("devices", set())
-    if device in devices:
-        return False
-    devices.add(device)
-    return True
+def has_handles(device: torch.device) -> bool:
+    """Whether this thread made cuBLAS's handles on ``device`` (see `mark_handles`)."""
+    return device in _handles.__dict__.get("devices", ())
+
+
+def mark_handles(device: torch.device) -> None:
+    """Note that this thread has cuBLAS handles on ``device``: no capture can create them."""
+    _handles.__dict__.setdefault("devices", set()).add(device)
 
 
 def products(device: torch.device) -> None:
