@@ -11,6 +11,9 @@ or later). torch's recipe for it, which the wrapper applies or asks for:
 3. DDP built on the capture stream (:func:`capture_stream`): DDP keeps the parameters'
    gradient accumulators, which autograd ties to the stream they were made on.
 
+4. The same graphs on every rank (each replay runs the captured collectives): only
+   ``shapes="static"``.
+
 Checked when the wrapper is made, from the objects that the function reaches: every rank
 makes the same wrapper, so every rank raises the same error, and none waits for another.
 A DDP module wrapped directly (a forward in grad mode) is refused: its backward hooks need
@@ -35,7 +38,7 @@ def ddp_paths(fn: Any) -> list[str]:
     return [path for path, m in modules.items() if isinstance(m, DistributedDataParallel)]
 
 
-def capture_error_mode(name: str, fn: Any, warmup: int, mode: str) -> str:
+def capture_error_mode(name: str, fn: Any, warmup: int, mode: str, shapes: str = "static") -> str:
     """The capture error mode for ``fn``: ``mode``, or ``"thread_local"`` for a function
     that calls a DDP module (see above), after checking what else that needs."""
     if isinstance(fn, DistributedDataParallel):
@@ -55,5 +58,14 @@ def capture_error_mode(name: str, fn: Any, warmup: int, mode: str) -> str:
             f"(`{paths[0]}`), with warmup={warmup}: DDP rebuilds its gradient buckets during "
             f"its first iterations, and its capture needs {DDP_WARMUP - 1} eager ones "
             f"before it. Pass `warmup={DDP_WARMUP}` or more."
+        )
+    if shapes != "static":
+        raise ValueError(
+            f"{name} captures a step that calls a DistributedDataParallel module "
+            f"(`{paths[0]}`), with shapes={shapes!r}: each of its graphs holds collectives, "
+            "so every rank must capture and replay the same graphs in the same order, and a "
+            "rank whose batch has another size would pick another graph and wait for the "
+            "others. Use shapes='static', with batches of one size on every rank (pad a short "
+            "last batch, and mask its padded rows out of the loss)."
         )
     return "thread_local" if mode == "global" else mode

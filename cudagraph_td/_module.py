@@ -172,7 +172,9 @@ class CudaGraphModule:
         name = type(self).__name__
         if backend == "cuda" and not torch.cuda.is_available():
             raise _errors.no_cuda(name)
-        mode = _distributed.capture_error_mode(name, module, warmup, capture_error_mode)
+        mode = _distributed.capture_error_mode(
+            name, module, warmup, capture_error_mode, self._shapes.shapes
+        )
         self.module = module
         self._warmup = warmup
         self.in_keys, self.out_keys = _tdmodule.resolve_keys(name, module, in_keys, out_keys)

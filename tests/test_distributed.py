@@ -97,3 +97,14 @@ def _track_eager_ddp(backend: Backend) -> None:
     for model in (partial, whole):
         for p, q in zip(model.parameters(), eager.parameters(), strict=True):
             torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize("shapes", ["exact", "buckets"])
+def test_a_step_calling_ddp_keeps_one_shape(group: None, shapes: str) -> None:
+    # Ranks with batches of other sizes would pick other graphs, each holding collectives,
+    # and wait for each other: refused on every rank alike, when the wrapper is made.
+    ddp = DDP(nn.Linear(4, 1))
+    step = _step(ddp, torch.optim.Adam(ddp.parameters()))
+    message = f"(`ddp`), with shapes={shapes!r}: each of its graphs holds collectives"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        CudaGraphModule(step, warmup=12, shapes=shapes, backend="emulate")  # type: ignore[arg-type]
