@@ -2,7 +2,7 @@
 
 Each entry says why the public API does not do, and the versions it was checked against;
 ``tests/test_compat.py`` fails when one of them changes behaviour (or, for a function the
-library bypasses, grows code). Checked with torch 2.11 and 2.13, tensordict 0.15.3.
+library bypasses, grows code). Checked with torch 2.11 and 2.13, tensordict 0.14.3 and 0.15.3.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ wrote into the caller's TensorDict (or ``tensordict_out``), which it returns.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -111,9 +112,11 @@ class TensorDictLayer:
         # in_keys there is nothing to dispatch: the function takes a TensorDict.
         self._dispatched: Callable[..., Any] = self._call
         if self.in_keys:
+            # Not the bound method: tensordict 0.14 skips a method's first parameter when it
+            # looks for the one named `tensordict`, and finds `*args`.
             self._dispatched = dispatch(
                 source=list(in_keys), dest=list(out_keys), auto_batch_size=False
-            )(self._call)
+            )(functools.partial(TensorDictLayer._call, self))
 
     def call(self, runner: Runner, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Call the module's graph, whose stage ``runner`` runs, as the module is called."""

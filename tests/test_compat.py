@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict, tensorclass
 from tensordict.nn import InteractionType, set_interaction_type
-from tensordict.nn import interaction_type as public_interaction_type
+from tensordict.nn.probabilistic import interaction_type as public_interaction_type
 from tensordict.tensorclass import NonTensorData
 
 from cudagraph_td import _compat
