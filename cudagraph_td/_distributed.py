@@ -27,6 +27,7 @@ from typing import Any
 from torch.nn.parallel import DistributedDataParallel
 
 from . import _training
+from ._shapes import ShapeOptions
 
 DDP_WARMUP = 12
 """The least ``warmup`` for a step that calls a DDP module: 11 eager iterations, a capture."""
@@ -38,9 +39,10 @@ def ddp_paths(fn: Any) -> list[str]:
     return [path for path, m in modules.items() if isinstance(m, DistributedDataParallel)]
 
 
-def capture_error_mode(name: str, fn: Any, warmup: int, mode: str, shapes: str = "static") -> str:
+def checked_mode(name: str, fn: Any, warmup: int, mode: str, options: ShapeOptions) -> str:
     """The capture error mode for ``fn``: ``mode``, or ``"thread_local"`` for a function
     that calls a DDP module (see above), after checking what else that needs."""
+    shapes = options.shapes
     if isinstance(fn, DistributedDataParallel):
         raise TypeError(
             f"{name} cannot replay a DistributedDataParallel module's forward: DDP's "

@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+import tensordict.nn
 import torch
 
 from . import (
@@ -34,15 +35,15 @@ _is_grad_enabled = torch.is_grad_enabled
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds only
 
 
-class CudaGraphModule:
+class CudaGraphModule(tensordict.nn.CudaGraphModule):
     """Capture a function as a CUDA graph, then replay it at each call.
 
-    A drop-in replacement for :class:`tensordict.nn.CudaGraphModule`. Calls ``1`` to
+    A drop-in replacement for :class:`tensordict.nn.CudaGraphModule`, and a subclass of it
+    (code that checks for it, such as torchrl's collectors, takes this one). Calls ``1`` to
     ``warmup - 1`` run the function eagerly on a side stream; call ``warmup`` captures the
     graph and returns a real result; every later call copies its tensor inputs into the
     graph's static buffers, replays the graph on the caller's current stream, and returns
-    the outputs in fresh memory, so that a result never changes when the wrapper is called
-    again.
+    the outputs in fresh memory, so that a result never changes when called again.
 
     Inputs and outputs may be any pytree of tensors, TensorDicts, tensorclasses and
     non-tensor constants, passed positionally or by keyword. Every replay checks its inputs
@@ -172,9 +173,7 @@ class CudaGraphModule:
         name = type(self).__name__
         if backend == "cuda" and not torch.cuda.is_available():
             raise _errors.no_cuda(name)
-        mode = _distributed.capture_error_mode(
-            name, module, warmup, capture_error_mode, self._shapes.shapes
-        )
+        mode = _distributed.checked_mode(name, module, warmup, capture_error_mode, self._shapes)
         self.module = module
         self._warmup = warmup
         self.in_keys, self.out_keys = _tdmodule.resolve_keys(name, module, in_keys, out_keys)
@@ -293,8 +292,8 @@ class CudaGraphModule:
     def _current_graphs(self) -> _shapes.Graphs | None:
         return self._graphs.get(_modes.current_mode(self.module))
 
-    @property
-    def counter(self) -> int:
+    @property  # tensordict's class keeps an attribute: here, the graphs' count, read-only
+    def counter(self) -> int:  # type: ignore[override]
         """How many calls ran before the first replay (warm-up calls, then the capture), for
         the current mode's graph that went furthest."""
         graphs = self._current_graphs()

@@ -301,3 +301,14 @@ def test_several_outputs_are_fresh_either_way(
         assert_tree_close(out, expected)
     first, second = results[-2][0], results[-1][0]
     assert first["a"].data_ptr() != second["a"].data_ptr()
+
+
+def test_is_an_instance_of_tensordicts_class(backend: Backend) -> None:
+    # Code that checks for tensordict's class (torchrl's collectors trust its instances)
+    # takes this one, and gets this class's behaviour.
+    import tensordict.nn
+
+    graphed = backend.wrap(lambda x: x + 1, warmup=1)
+    assert isinstance(graphed, tensordict.nn.CudaGraphModule)
+    x = backend.randn(3)
+    torch.testing.assert_close(graphed(x), x + 1)
