@@ -10,9 +10,19 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ._capture_causes import CAPTURE_CAUSES
 
-RESET_HINT = "or call `reset()` to capture the graph again for the new inputs"
+GRAPHED_CALLABLES = "make_graphed_callables"
+
+
+def reset_hint(name: str) -> str:
+    """How to start again for other inputs: a wrapper's `reset()`; for a callable graphed by
+    `make_graphed_callables` (which has none), graphing it again."""
+    if name.startswith(GRAPHED_CALLABLES):
+        return "or graph the callable again with `make_graphed_callables` for the new inputs"
+    return "or call `reset()` to capture the graph again for the new inputs"
 
 
 class InputMismatchError(ValueError):
@@ -66,7 +76,7 @@ def shape_mismatch(
     return InputMismatchError(
         f"{name} was captured with {path} of shape {tuple(captured)}, but received shape "
         f"{tuple(received)}. A CUDA graph replays fixed shapes: pass an input of the captured "
-        f"shape, use one {name} per shape, {RESET_HINT}.",
+        f"shape, use one {name} per shape, {reset_hint(name)}.",
         path,
         tuple(captured),
         tuple(received),
@@ -77,7 +87,7 @@ def batch_size_mismatch(name: str, path: str, captured: Any, received: Any) -> I
     return InputMismatchError(
         f"{name} was captured with {path} of batch size {list(captured)}, but received batch "
         f"size {list(received)}. A CUDA graph replays fixed shapes: pass a TensorDict of the "
-        f"captured batch size, use one {name} per batch size, {RESET_HINT}.",
+        f"captured batch size, use one {name} per batch size, {reset_hint(name)}.",
         path,
         tuple(captured),
         tuple(received),
@@ -87,7 +97,7 @@ def batch_size_mismatch(name: str, path: str, captured: Any, received: Any) -> I
 def dtype_mismatch(name: str, path: str, captured: Any, received: Any) -> InputMismatchError:
     return InputMismatchError(
         f"{name} was captured with {path} of dtype {captured}, but received dtype {received}. "
-        f"The replay does not cast inputs: convert it with `.to({captured})`, {RESET_HINT}.",
+        f"The replay does not cast inputs: convert it with `.to({captured})`, {reset_hint(name)}.",
         path,
         captured,
         received,
@@ -146,7 +156,7 @@ def constant_mismatch(name: str, path: str, captured: Any, received: Any) -> Inp
     return InputMismatchError(
         f"{name} was captured with the non-tensor argument {path} = {_short(captured)}, but "
         f"received {_short(received)}. The graph replays the captured value: pass values "
-        f"that change between calls as tensors, use one {name} per value, {RESET_HINT}.",
+        f"that change between calls as tensors, use one {name} per value, {reset_hint(name)}.",
         path,
         captured,
         received,
@@ -157,7 +167,7 @@ def leaf_kind_mismatch(name: str, path: str, captured: Any, received: Any) -> In
     return InputMismatchError(
         f"{name} was captured with {path} of type {type(captured).__name__}, but received "
         f"type {type(received).__name__}. Pass the same kind of argument as at capture, "
-        f"{RESET_HINT}.",
+        f"{reset_hint(name)}.",
         path,
         type(captured),
         type(received),
@@ -182,7 +192,7 @@ def structure_mismatch(
         lines.append(f"  extra: {', '.join(extra)}")
     lines.extend(f"  {line}" for line in other)
     lines.append(
-        f"A graph replays the captured call: pass the same arguments and keys, {RESET_HINT}."
+        f"A graph replays the captured call: pass the same arguments and keys, {reset_hint(name)}."
     )
     return InputMismatchError("\n".join(lines), "(args, kwargs)", missing, extra)
 
@@ -213,10 +223,15 @@ def capture_failure(name: str, stage: str, err: BaseException) -> RuntimeError:
             f"the function itself raised {type(err).__name__} (shown above). Fix it, and check "
             "that it runs eagerly with the same inputs."
         )
+    retry = (
+        "Nothing was graphed: call `make_graphed_callables` again once it is fixed."
+        if name.startswith(GRAPHED_CALLABLES)
+        else "The wrapper is still usable: call it again to retry, or call `reset()` to start "
+        "the warm-up again."
+    )
     return RuntimeError(
-        f"{name} could not {stage}: {cause} The wrapper is still usable: call it again to "
-        "retry, or call `reset()` to start the warm-up again. The CUDA context was left out "
-        f"of capture mode. Original error: {type(err).__name__}: {_short(text, 300)}"
+        f"{name} could not {stage}: {cause} {retry} The CUDA context was left out of capture "
+        f"mode. Original error: {type(err).__name__}: {_short(text, 300)}"
     )
 
 
@@ -307,10 +322,17 @@ def verification_failed(name: str, replay: int, path: str, detail: str) -> str:
 
 
 def sample_args_not_tuples(received: Any) -> TypeError:
+    """``received``: the callable's sample arguments that are not a tuple (nor a list of
+    tuples)."""
+    got = f"a {type(received).__name__}"
+    if isinstance(received, torch.Tensor):
+        got = "a bare tensor: pass `(x,)`, a tuple of the arguments"
+    elif isinstance(received, list) and any(isinstance(x, torch.Tensor) for x in received):
+        got = "a list of tensors: pass a tuple of the arguments, or a list of such tuples"
     return TypeError(
         "`sample_args` must be a tuple of arguments for one callable (or a list of such "
         "tuples, one graph pair per shape), or a tuple of those for a tuple of callables; "
-        f"got {type(received).__name__}."
+        f"got {got}."
     )
 
 

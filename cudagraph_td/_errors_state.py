@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ._errors import RESET_HINT, _short
+from ._errors import _short, reset_hint
 
 
 def step_output_requires_grad(name: str, path: str) -> RuntimeError:
@@ -35,7 +35,7 @@ def grad_replaced(name: str, param: str, captured: Any, now: Any) -> RuntimeErro
         "writing the gradient tensors it recorded, so the replay would not be the step that "
         "eager mode runs now. Keep gradients in place between calls: call "
         "`zero_grad(set_to_none=False)` outside the function, or zero them inside it; "
-        f"{RESET_HINT}."
+        f"{reset_hint(name)}."
     )
 
 
@@ -52,7 +52,7 @@ def hyperparameter_changed(
     return RuntimeError(
         f"{name} captured an optimizer step with {where}[{key!r}] = {_short(captured)}, which "
         f"is now {_short(now)}. A graph replays the value it captured: the change would be "
-        f"silently ignored. {tensor_hint}{RESET_HINT}."
+        f"silently ignored. {tensor_hint}{reset_hint(name)}."
     )
 
 

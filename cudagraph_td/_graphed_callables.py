@@ -177,8 +177,11 @@ def _check_arguments(
     capture_error_mode: str,
     backend: str,
 ) -> None:
-    if not isinstance(sample_args, tuple) or not all(_all(a, tuple) for a in sample_args):
+    if not isinstance(sample_args, tuple):
         raise _errors.sample_args_not_tuples(sample_args)
+    for samples in sample_args:  # one callable's
+        if not _all(samples, tuple):
+            raise _errors.sample_args_not_tuples(samples)
     if not isinstance(sample_kwargs, tuple) or not all(_all(k, dict) for k in sample_kwargs):
         raise _errors.sample_kwargs_not_dicts()
     if not len(callables) == len(sample_args) == len(sample_kwargs):

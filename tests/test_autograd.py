@@ -263,8 +263,12 @@ def test_double_backward_and_stale_backward_are_refused(backend: Backend) -> Non
 
 
 def test_invalid_sample_args(backend: Backend) -> None:
-    with pytest.raises(TypeError, match="`sample_args` must be a tuple"):
+    with pytest.raises(TypeError, match=re.escape("got a list of tensors: pass a tuple")):
         backend.graph_callables(_mlp(backend), [backend.randn(2, 4)])
+    with pytest.raises(TypeError, match=re.escape("got a bare tensor: pass `(x,)`")):
+        backend.graph_callables(_mlp(backend), backend.randn(2, 4))
+    with pytest.raises(TypeError, match=re.escape("got a dict.")):
+        backend.graph_callables(_mlp(backend), {"x": backend.randn(2, 4)})
     with pytest.raises(TypeError, match="2 callables need as many sample argument tuples"):
         backend.graph_callables((_mlp(backend), _mlp(backend)), ((backend.randn(2, 4),),))
 
@@ -426,6 +430,11 @@ def test_wrong_inputs_of_a_graphed_callable_are_refused(backend: Backend) -> Non
     graphed = backend.graph_callables(net, (backend.randn(8, 4),))
     with pytest.raises(ValueError, match=re.escape("of shape (8, 4), but received shape (8, 5)")):
         graphed(backend.randn(8, 5))
+    # It has no `reset()`: the message says what does instead.
+    again = "or graph the callable again with `make_graphed_callables` for the new inputs."
+    with pytest.raises(ValueError, match=re.escape(again)) as info:
+        graphed(backend.randn(8, 5))
+    assert "reset()" not in str(info.value)
     with pytest.raises(ValueError, match=re.escape("of dtype torch.float32, but received dtype")):
         graphed(backend.randn(8, 4).double())
     with pytest.raises(ValueError):
@@ -457,3 +466,17 @@ def test_a_list_of_samples_must_hold_tuples() -> None:
     net = nn.Linear(2, 2)
     with pytest.raises(TypeError, match=re.escape("or a list of such tuples")):
         make_graphed_callables(net, [(torch.randn(3, 2),), torch.randn(4, 2)], backend="emulate")
+
+
+def test_a_failed_capture_of_graphed_callables_says_what_to_do() -> None:
+    # What a capture failure of `make_graphed_callables` says (its CUDA path): no wrapper to
+    # call again, no `reset()`.
+    from cudagraph_td import _errors
+
+    err = _errors.capture_failure(
+        "make_graphed_callables(f)", "capture the forward graph", ValueError("bad")
+    )
+    assert "call `make_graphed_callables` again once it is fixed" in str(err)
+    assert "reset()" not in str(err) and "wrapper" not in str(err)
+    wrapper_err = _errors.capture_failure("CudaGraphModule", "capture the graph", ValueError("bad"))
+    assert "call `reset()` to start the warm-up again" in str(wrapper_err)
