@@ -14,6 +14,8 @@ import torch
 
 from ._capture_causes import CAPTURE_CAUSES
 
+# The start of the name of every callable graphed by `make_graphed_callables`: its errors
+# say what to do without a wrapper's `reset()`.
 GRAPHED_CALLABLES = "make_graphed_callables"
 
 

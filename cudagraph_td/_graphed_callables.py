@@ -132,7 +132,7 @@ def make_graphed_callables(
         raise _errors.autocast_cache()
     captures: list[list[Capture]] = [[] for _ in callables]
     for fn, each, mine in zip(callables, samples, captures, strict=True):
-        name = f"make_graphed_callables({_describe(fn)})"
+        name = f"{_errors.GRAPHED_CALLABLES}({_describe(fn)})"  # its errors tell by it
         forward = fn.forward if isinstance(fn, torch.nn.Module) else fn
         for (args, kwargs), graph_backend in zip(each, backends, strict=False):
             signature = Signature(name, args, kwargs, device, allow_grad=True)
