@@ -6,7 +6,9 @@
 #   bash scripts/gpu_check.sh                 # tests and examples
 #   TESTS=0 BENCH=1 bash scripts/gpu_check.sh # the benchmark alone
 # It installs the wheels that ../shared/gpu/fetch-wheels.sh put in .whl/ (if any), and writes
-# its logs to $OUT (or ./gpu-logs when OUT is unset).
+# its logs to $OUT (or ./gpu-logs when OUT is unset). With wheels in .whl-rl/ (torchrl 0.14.1,
+# the tensordict 0.14.3 it requires, and their small needs; see scripts/fetch_torchrl_wheels.sh)
+# it also runs the tests that use torchrl, in an environment of their own.
 set -uo pipefail
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
@@ -29,6 +31,14 @@ if [ "${TESTS:-1}" = 1 ]; then
     echo "== $example" | tee -a "$out/examples.log"
     python3 "$example" 2>&1 | tee -a "$out/examples.log" || status=1
   done
+fi
+if [ "${TORCHRL:-1}" = 1 ] && compgen -G ".whl-rl/torchrl-*.whl" > /dev/null; then
+  # torchrl 0.14.1 pins tensordict<0.15: its own site directory, not the one above.
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site-rl .whl-rl/*.whl || exit 1
+  PYTHONPATH="$PWD:/tmp/site-rl" python3 -m pytest -q -p no:cacheprovider \
+    tests/test_torchrl.py tests/test_tdmodule.py tests/test_compat.py tests/test_module.py \
+    2>&1 | tee "$out/gpu-torchrl.log" || status=1
 fi
 if [ "${BENCH:-0}" = 1 ]; then
   baseline=()
