@@ -75,14 +75,19 @@ def make_backend(
 
 
 def backend_factory(
-    name: str, device: torch.device | None, pool: Any, capture_error_mode: str
+    name: str, device: torch.device | None, pool: Any, capture_error_mode: str, agreement: Any
 ) -> Callable[[tuple[Any, ...], dict[str, Any]], Backend]:
     """What makes a wrapper's backend from the inputs of its first call (see `make_backend`):
-    its replays are ordered device-wide, so its plain graphs share the device's workspace."""
+    its replays are ordered device-wide, so its plain graphs share the device's workspace.
+    ``agreement``: the ranks' `_distributed.Agreement` of a DDP step, else None."""
 
     def make(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Backend:
-        inputs = (args, kwargs)
-        return make_backend(name, device, pool, capture_error_mode, inputs, share_workspace=True)
+        backend = make_backend(
+            name, device, pool, capture_error_mode, (args, kwargs), share_workspace=True
+        )
+        if isinstance(backend, CudaBackend):
+            backend.agreement = agreement
+        return backend
 
     return make
 
@@ -166,6 +171,8 @@ class CudaBackend:
         self.pool = pool
         self.capture_error_mode = capture_error_mode
         self.share_workspace = share_workspace
+        # For a DDP step: the ranks tell each other how their captures went (`_distributed`).
+        self.agreement: Any = None
         # A side stream: the warm-up runs off the caller's stream so that lazy
         # initialisations (cuBLAS workspaces, autograd and optimizer state) happen before the
         # capture and not inside it. The capture runs on the same stream: autograd ties each
@@ -240,11 +247,17 @@ class CudaBackend:
                     # warning about it is meant for captures on the wrong stream.
                     warnings.filterwarnings("ignore", "The CUDA Graph is empty")
                     graph.capture_end()
+        except BaseException as err:
+            if self.agreement is not None:  # the other ranks drop their graphs too
+                self.agreement.outcome(err)
+            raise
         finally:
             clear_cublas_workspaces()
             torch.distributions.Distribution.set_default_validate_args(validate_args)
             if gc_was_enabled:
                 gc.enable()
+        if self.agreement is not None:  # raises if another rank's capture failed
+            self.agreement.outcome(None)
         return graph, out
 
     def _prime_workspace(self) -> None:

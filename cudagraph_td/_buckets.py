@@ -32,6 +32,8 @@ class BucketGraphs(Graphs):
         options = self.options
         batch = _padding.batch_of(self.name, args, kwargs, options.batch_dims)
         size = _padding.bucket_for(batch, options.buckets)
+        if options.agreement is not None:  # every rank of a DDP step: the same graph
+            size = options.agreement.largest(size)
         if size is None:
             return self._overflow(args, kwargs, batch)
         if torch.is_grad_enabled() and not options.row_independent:

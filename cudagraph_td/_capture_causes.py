@@ -6,6 +6,12 @@ turn a driver's error code into the line of the user's function to change.
 
 CAPTURE_CAUSES = (
     (
+        ("the capture failed on rank",),
+        "another rank of the DDP step's process group could not capture its graph (its own "
+        "error says why), so every rank dropped its graph: no rank may replay collectives "
+        "that another does not.",
+    ),
+    (
         (
             "operation not permitted when stream is capturing",
             "cudaErrorStreamCaptureUnsupported",

@@ -117,6 +117,20 @@ def device_mismatch(name: str, path: str, captured: Any, received: Any) -> Input
     )
 
 
+def cannot_follow(
+    name: str, path: str, home: Any, device: Any, state: str, state_device: Any
+) -> InputMismatchError:
+    return InputMismatchError(
+        f"{name} has graphs on {home}, and received {path} on {device}: a graph there would "
+        f"read `{state}`, which is on {state_device}. Move the inputs with "
+        f"`.to('{state_device}')`, or the module and its optimizer to {device} (the wrapper "
+        "follows them with a new capture).",
+        path,
+        home,
+        device,
+    )
+
+
 def wrong_device_at_capture(name: str, path: str, device: Any, received: Any) -> InputMismatchError:
     return InputMismatchError(
         f"{name} captures its graph on {device}, but {path} is on {received}. Every tensor "

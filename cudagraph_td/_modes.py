@@ -38,8 +38,9 @@ def current_mode(module: Any) -> Mode:
     return (interaction_type(), torch.is_grad_enabled(), training, autocast_state())
 
 
-def mode_name(mode: Mode) -> str:
-    """A mode as ``repr`` and ``graphs()`` show it, e.g. ``no_grad, eval``."""
+def mode_name(mode: Mode, device: Any = None) -> str:
+    """A mode as ``repr`` and ``graphs()`` show it, e.g. ``no_grad, eval``; with ``device``
+    (for a wrapper with graphs on several), e.g. ``no_grad, eval, cuda:1``."""
     interaction, grad, training, autocast = mode
     parts = ["grad" if grad else "no_grad"]
     if training is not None:
@@ -53,4 +54,6 @@ def mode_name(mode: Mode) -> str:
             if on
         ]
         parts.append(f"autocast {', '.join(enabled)}")
+    if device is not None:
+        parts.append(str(device))
     return ", ".join(parts)

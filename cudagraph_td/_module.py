@@ -11,6 +11,7 @@ import tensordict.nn
 import torch
 
 from . import (
+    _devices,
     _distributed,
     _errors,
     _errors_shapes,
@@ -29,6 +30,8 @@ from ._replay import MISS
 from ._shapes import not_captured
 
 BackendName = Literal["auto", "cuda", "emulate"]
+GraphsKey = tuple[Mode, torch.device | None]
+Graphs = _shapes.Graphs
 
 # Read at every call, so bound once.
 _is_grad_enabled = torch.is_grad_enabled
@@ -57,12 +60,12 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
     named by the ``in_keys``, returning the ``out_keys``' values; ``tensordict_out=`` is
     accepted.
 
-    The wrapper keeps graphs per mode that changes what the function computes: grad
-    mode, a module's training mode, tensordict's interaction type and the autocast state;
-    and, with ``shapes=``, per input shape (see [several shapes][several-shapes]). In grad mode, when
-    the captured outputs require grad, the forward and its backward are captured inside one
-    autograd node (see [make_graphed_callables][cudagraph_td.make_graphed_callables]), so ``loss.backward()`` replays the
-    backward graph; under ``torch.no_grad()`` a plain graph is captured.
+    The wrapper keeps graphs per mode that changes what the function computes (grad mode,
+    a module's training mode, tensordict's interaction type, the autocast state), per device
+    (see ``device``) and, with ``shapes=``, per input shape (see [several shapes][several-shapes]).
+    In grad mode, when the captured outputs require grad, the forward and its backward are
+    captured inside one autograd node (see [make_graphed_callables][cudagraph_td.make_graphed_callables]), so
+    ``loss.backward()`` replays the backward graph; under ``torch.no_grad()`` a plain graph.
 
     Without CUDA (and with ``backend="auto"``), the constructor warns once and every call
     runs the function directly. See [sharp edges][sharp-edges] for what a graph cannot capture.
@@ -76,8 +79,9 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             ``module.in_keys`` when the module has them.
         out_keys: The output keys, for a module that returns a TensorDict. Taken from
             ``module.out_keys`` when the module has them.
-        device: The CUDA device of the graph. Defaults to the device of the first CUDA
-            tensor input, else the current CUDA device.
+        device: The CUDA device of the graphs. By default, the device of each call's first
+            CUDA tensor input (else the current one) has graphs of its own, unless the
+            function reaches parameters or optimizer state on another ([Several GPUs](several-gpus.md)).
         pool: A memory pool (``torch.cuda.graph_pool_handle()``, another wrapper's
             ``pool()``, or another graph's) to share with other graphs. Defaults to a pool
             of the wrapper's own, shared by its graphs (a graph captured for autograd takes
@@ -167,13 +171,13 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
             raise _errors.invalid_option("verify", verify, "an integer of 0 or more")
         check_options(backend, capture_error_mode)
-        self._shapes = _shapes.shape_options(
+        options = _shapes.shape_options(
             shapes, buckets, max_graphs, batch_dims, overflow, row_independent
         )
-        name = type(self).__name__
+        name = self._name = type(self).__name__
         if backend == "cuda" and not torch.cuda.is_available():
             raise _errors.no_cuda(name)
-        mode = _distributed.checked_mode(name, module, warmup, capture_error_mode, self._shapes)
+        mode, self._shapes = _distributed.checked(name, module, warmup, capture_error_mode, options)
         self.module = module
         self._warmup = warmup
         self.in_keys, self.out_keys = _tdmodule.resolve_keys(name, module, in_keys, out_keys)
@@ -202,17 +206,21 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         self._has_training = hasattr(module, "training")
         make_backend = None
         if self._backend_name != "eager":
-            make_backend = backend_factory(self._backend_name, self.device, self._pool, mode)
+            make_backend = backend_factory(
+                self._backend_name, self.device, self._pool, mode, self._shapes.agreement
+            )
         # What makes the runner of each new graph (nothing in it refers to the wrapper).
         self._new_runner = functools.partial(
             _graph.GraphRunner, name, self._fn, warmup, make_backend, self._lock
         )
-        self._graphs: dict[Mode, _shapes.Graphs] = {}
-        # Per mode, the calls that its replay path answered (see `__call__`).
-        self._hits: dict[Mode, list[int]] = {}
+        # The graphs by mode and device (None off CUDA; see `_devices`), and per such key the
+        # calls that its replay path answered (see `__call__`).
+        self._graphs: dict[GraphsKey, Graphs] = {}
+        self._hits: dict[GraphsKey, list[int]] = {}
         # The last call's mode, its replay path and its count (see `__call__`): none yet.
         self._last: tuple[Any, ...] = (None, None, None, None, not_captured, [0])
-        # The replay order of the graphs' device, once known (see `_sharing.ReplayOrder`).
+        # The last call's device, and its replay order (see `_sharing.ReplayOrder`).
+        self._where: torch.device | None = None
         self._order: _sharing.ReplayOrder | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -241,7 +249,10 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The slow path: a warm-up, a capture, a replay checked in full, or a verified one."""
-        mode, graphs = self._select()
+        key, graphs = self._select(args, kwargs)
+        device = self._where = key[1]
+        if device is not None:  # this device's replays follow the last one there
+            self._order = _sharing.ordered(device.index)
         verifier = self._verifier
         # While verify= is on, the slow path serves the replays still to check (see `_settled`).
         copies = None if verifier is None else verifier.copy_inputs(args, kwargs)
@@ -249,48 +260,45 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             out = self._layer.call(graphs, args, kwargs)
         else:
             out = graphs.run(args, kwargs)
-        backend = next((r.backend for r in graphs.runners.values() if r.backend), None)
-        if self._order is None and backend is not None and backend.device.type == "cuda":
-            self._order = _sharing.replay_order(backend.device.index)  # calls follow it
-            self._order.follow()
         served = graphs.replayed
-        if verifier is not None and served is not None and verifier.wants((mode, served[0])):
-            assert backend is not None
+        if verifier is not None and served is not None and verifier.wants((key, served[0])):
             with _graph.capture_turn(self._lock):  # the function runs only under it
-                verifier.check(
-                    copies,
-                    args,
-                    kwargs,
-                    out,
-                    device=backend.device,
-                    training_step=served[1].training_step,
-                    graph=(mode, served[0]),
-                )
+                verifier.check(copies, args, kwargs, out, graphs, (key, served[0]))
         graphs.learn(args, kwargs)  # the replay path, for calls like this one
-        self._last = (*mode, graphs.replay, self._hits.setdefault(mode, [0]))
+        self._last = (*key[0], graphs.replay, self._hits.setdefault(key, [0]))
         return out
 
-    def _select(self) -> tuple[Mode, _shapes.Graphs]:
-        """The graphs of the current call's mode (`_shapes.Graphs.run` then picks the graph by
-        the call's shapes)."""
+    def _select(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[GraphsKey, Graphs]:
+        """The graphs of the call's mode and device (`_shapes.Graphs.run` then picks the
+        graph by the call's shapes)."""
         mode = _modes.current_mode(self.module)
-        graphs = self._graphs.get(mode)
+        device = None
+        if self._backend_name == "cuda":
+            device = _devices.call_device(args, kwargs, self.device)
+        graphs = self._graphs.get((mode, device))
         if graphs is None:
-            graphs = self._graphs[mode] = _shapes.make_graphs(
-                BucketGraphs if self._shapes.shapes == "buckets" else _shapes.Graphs,
-                type(self).__name__,
+            homes = [d for _, d in self._graphs if d is not None and d != device]
+            if homes and device is not None:
+                _devices.check_follows(self._name, self.module, device, homes[0], args, kwargs)
+            graphs = self._graphs[(mode, device)] = _shapes.make_graphs(
+                BucketGraphs if self._shapes.shapes == "buckets" else Graphs,
+                self._name,
                 self._shapes,
                 self._new_runner,
                 self._layer,
                 self._verifier,
-                mode,
+                (mode, device),
                 self._fn,
                 self._lock,
             )
-        return mode, graphs
+        return (mode, device), graphs
 
-    def _current_graphs(self) -> _shapes.Graphs | None:
-        return self._graphs.get(_modes.current_mode(self.module))
+    def _current_graphs(self) -> Graphs | None:  # the current mode's, on the last call's device
+        return self._graphs.get((_modes.current_mode(self.module), self._where))
+
+    def _shown(self, key: GraphsKey) -> str:
+        """A mode as ``graphs()`` and ``repr`` show it, with its device if there are several."""
+        return _modes.mode_name(key[0], key[1] if len({d for _, d in self._graphs}) > 1 else None)
 
     @property  # tensordict's class keeps an attribute: here, the graphs' count, read-only
     def counter(self) -> int:  # type: ignore[override]
@@ -318,8 +326,8 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         with self._lock:
             return [
                 info
-                for mode, graphs in self._graphs.items()
-                for info in graphs.infos(_modes.mode_name(mode), self._hits.get(mode, [0])[0])
+                for key, graphs in self._graphs.items()
+                for info in graphs.infos(self._shown(key), self._hits.get(key, [0])[0])
             ]
 
     def pool(self) -> Any:
@@ -345,7 +353,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         if self._backend_name == "eager":
             return
         with self._lock:
-            _, graphs = self._select()
+            _, graphs = self._select(args, kwargs)
             graphs.precapturing = True
             try:
                 for _ in range(self._warmup):
@@ -379,10 +387,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         elif not self._graphs:
             state = f"warming up: 0 of {self._warmup - 1} warm-up calls done"
         else:  # one entry per mode the wrapper was called in, with its graphs' stage
-            state = "; ".join(
-                f"{_modes.mode_name(mode)}: {graphs.stage()}"
-                for mode, graphs in self._graphs.items()
-            )
+            state = "; ".join(f"{self._shown(k)}: {g.stage()}" for k, g in self._graphs.items())
         fields = {
             "module": repr(self.module).replace("\n", "\n    "),
             "warmup": self._warmup,
@@ -390,10 +395,6 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             "out_keys": self.out_keys,
             "backend": repr(self._backend_name),
         }
-        if self._shapes.shapes != "static":
-            fields["shapes"] = repr(self._shapes.shapes)
-            if self._shapes.buckets:
-                fields["buckets"] = list(self._shapes.buckets)
-        fields["state"] = state
+        fields.update(_shapes.shown_options(self._shapes), state=state)
         body = ",\n".join(f"    {key}={value}" for key, value in fields.items())
         return f"{type(self).__name__}(\n{body}\n)"

@@ -34,6 +34,8 @@ class ShapeOptions(NamedTuple):
     batch_dims: int = 1
     overflow: str = "eager"
     row_independent: bool = False
+    # The ranks' agreement on each call's graph, for a DDP step (`_distributed.Agreement`).
+    agreement: Any = None
 
 
 def shape_options(
@@ -65,6 +67,16 @@ def shape_options(
             raise _errors.invalid_option("buckets", buckets, "a list of positive integers")
         buckets = tuple(sorted(set(sizes)))
     return ShapeOptions(shapes, buckets, max_graphs, batch_dims, overflow, row_independent)
+
+
+def shown_options(options: ShapeOptions) -> dict[str, Any]:
+    """The shape options that a wrapper's ``repr`` shows: none for ``shapes="static"``."""
+    if options.shapes == "static":
+        return {}
+    shown: dict[str, Any] = {"shapes": repr(options.shapes)}
+    if options.buckets:
+        shown["buckets"] = list(options.buckets)
+    return shown
 
 
 class GraphInfo(NamedTuple):
@@ -152,6 +164,8 @@ class Graphs:
         self.replayed = self._served = None
         shapes = self.options.shapes
         key = None if shapes == "static" else exact_key(args, kwargs)
+        if key is not None and self.options.agreement is not None:
+            self.options.agreement.same(key, _shown(key))
         runner = self.runners.get(key)
         if runner is None:
             if self.runners and shapes == "exact":
@@ -224,7 +238,7 @@ class Graphs:
         """Give the replay path the graph that answered this call by a replay, if any: the
         mode's path ("static"), or the path of calls whose first input has this one's shape."""
         served = self._served
-        if served is None:
+        if served is None or self.options.agreement is not None:  # each call agrees first
             return
         key, captured, rows, padded_rows = served
         if not self._settled(key):
@@ -336,7 +350,7 @@ def make_graphs(
     fn: Callable[..., Any],
     lock: Any,
 ) -> Graphs:
-    """The graphs of one mode of a wrapper. Nothing in them refers to the wrapper, so that
+    """The graphs of one mode (and device) of a wrapper, ``mode`` its key there. Nothing in them refers to the wrapper, so that
     dropping it frees them at once, without the garbage collector. ``cls``: `Graphs`, or
     its subclass for ``shapes="buckets"``."""
     route = functools.partial(_route, layer)

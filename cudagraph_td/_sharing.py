@@ -136,3 +136,12 @@ def replay_order(device: int) -> ReplayOrder:
     if order is None:
         order = _orders[device] = ReplayOrder(device)
     return order
+
+
+def ordered(device: int) -> ReplayOrder:
+    """The replay order of CUDA device ``device``, with the current stream ordered after the
+    last replay there (a call on another stream than it waits for it)."""
+    order = replay_order(device)
+    if order.raw != torch.cuda.current_stream(device).cuda_stream:
+        order.follow()
+    return order

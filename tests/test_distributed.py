@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cudagraph_td import CudaGraphModule, capture_stream, make_graphed_callables
 
-from .conftest import Backend
+from .conftest import HAS_CUDA, Backend
 
 
 @contextlib.contextmanager
@@ -99,12 +103,24 @@ def _track_eager_ddp(backend: Backend) -> None:
             torch.testing.assert_close(p, q)
 
 
-@pytest.mark.parametrize("shapes", ["exact", "buckets"])
-def test_a_step_calling_ddp_keeps_one_shape(group: None, shapes: str) -> None:
-    # Ranks with batches of other sizes would pick other graphs, each holding collectives,
-    # and wait for each other: refused on every rank alike, when the wrapper is made.
-    ddp = DDP(nn.Linear(4, 1))
-    step = _step(ddp, torch.optim.Adam(ddp.parameters()))
-    message = f"(`ddp`), with shapes={shapes!r}: each of its graphs holds collectives"
-    with pytest.raises(ValueError, match=re.escape(message)):
-        CudaGraphModule(step, warmup=12, shapes=shapes, backend="emulate")  # type: ignore[arg-type]
+def test_two_ranks_agree_on_graphs_and_on_failed_captures() -> None:
+    # Two processes (gloo and the emulation on CPU, NCCL and a GPU each with two GPUs): the
+    # ranks replay the same graph with shapes=, raise the same error when they cannot, and
+    # a capture that fails on one rank fails on both (CUDA: the emulation runs the step's
+    # collectives at its capture, where a CUDA capture records them).
+    if HAS_CUDA and torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (one process per GPU)")
+    cases = ["exact_same", "exact_differ", "buckets"] + (["capture_fails"] if HAS_CUDA else [])
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    script = str(Path(__file__).with_name("ddp_ranks.py"))
+    result = subprocess.run(
+        [sys.executable, *launcher, script, *cases],
+        capture_output=True,
+        text=True,
+        timeout=300,  # a hang fails the test
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    for rank in (0, 1):
+        for case in cases:
+            assert f"rank {rank}: {case} ok" in result.stdout, result.stdout
