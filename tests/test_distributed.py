@@ -71,22 +71,40 @@ def test_ddp_step_and_graphed_module_under_ddp_track_eager_ddp(backend: Backend)
         _track_eager_ddp(backend)
 
 
+class _GraphedInside(nn.Module):
+    def __init__(self, net: nn.Module, backend: Backend):
+        super().__init__()
+        self.net = net  # registered: DDP finds its parameters
+        self.graphed = backend.wrap(net, warmup=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.graphed(x)  # type: ignore[no-any-return]
+
+
+def _replayed(graphed: CudaGraphModule) -> bool:
+    return any(info.captured and info.replays for info in graphed.graphs())
+
+
 def _track_eager_ddp(backend: Backend) -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1)).to(backend.device)
     ids = [backend.device.index] if backend.name == "cuda" else None
-    eager, partial, whole = (copy.deepcopy(net) for _ in range(3))
+    eager, partial, inner, whole = (copy.deepcopy(net) for _ in range(4))
     eager_ddp = DDP(eager, device_ids=ids)
     sample = backend.randn(16, 8)
     partial_ddp = DDP(
         make_graphed_callables(partial, (sample,), backend=backend.name), device_ids=ids
     )
+    # A CudaGraphModule in grad mode inside the module that DDP wraps: its autograd node's
+    # backward gives DDP's hooks the gradients, which DDP all-reduces eagerly.
+    inner_ddp = DDP(_GraphedInside(inner, backend), device_ids=ids)
     with torch.cuda.stream(capture_stream()) if ids else contextlib.nullcontext():
         whole_ddp = DDP(whole, device_ids=ids)  # its accumulators on the capture stream
     lr = 1e-2
     steps = {
         "eager": _step(eager_ddp, torch.optim.SGD(eager_ddp.parameters(), lr=lr)),
         "partial": _step(partial_ddp, torch.optim.SGD(partial_ddp.parameters(), lr=lr)),
+        "inner": _step(inner_ddp, torch.optim.SGD(inner_ddp.parameters(), lr=lr)),
         "whole": CudaGraphModule(
             _step(whole_ddp, torch.optim.SGD(whole_ddp.parameters(), lr=lr)),
             warmup=12,
@@ -96,9 +114,10 @@ def _track_eager_ddp(backend: Backend) -> None:
     for _ in range(20):
         x, y = backend.randn(16, 8), backend.randn(16, 1)
         losses = {kind: step(x, y) for kind, step in steps.items()}
-        torch.testing.assert_close(losses["partial"], losses["eager"])
-        torch.testing.assert_close(losses["whole"], losses["eager"])
-    for model in (partial, whole):
+        for kind in ("partial", "inner", "whole"):
+            torch.testing.assert_close(losses[kind], losses["eager"])
+    assert _replayed(inner_ddp.module.graphed)
+    for model in (partial, inner, whole):
         for p, q in zip(model.parameters(), eager.parameters(), strict=True):
             torch.testing.assert_close(p, q)
 
