@@ -28,6 +28,7 @@ status=0
 if [ "${TESTS:-1}" = 1 ]; then
   CATALOG_EXAMPLES=${CATALOG_EXAMPLES:-200} python3 -m pytest -q -p no:cacheprovider tests cudagraph_td "$@" 2>&1 | tee "$out/gpu-tests.log" || status=1
   for example in examples/*.py; do
+    case $example in examples/torchrl*) continue ;; esac  # run beside torchrl, below
     echo "== $example" | tee -a "$out/examples.log"
     python3 "$example" 2>&1 | tee -a "$out/examples.log" || status=1
   done
@@ -39,6 +40,11 @@ if [ "${TORCHRL:-1}" = 1 ] && compgen -G ".whl-rl/torchrl-*.whl" > /dev/null; th
   PYTHONPATH="$PWD:/tmp/site-rl" python3 -m pytest -q -p no:cacheprovider \
     tests/test_torchrl.py tests/test_tdmodule.py tests/test_compat.py tests/test_module.py \
     2>&1 | tee "$out/gpu-torchrl.log" || status=1
+  for example in examples/torchrl*.py; do
+    echo "== $example" | tee -a "$out/examples.log"
+    PYTHONPATH="$PWD:/tmp/site-rl" python3 "$example" ${RL_EXAMPLE_ARGS:-} 2>&1 \
+      | tee -a "$out/examples.log" || status=1
+  done
 fi
 if [ "${BENCH:-0}" = 1 ]; then
   baseline=()

@@ -37,6 +37,8 @@ def _run(
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.stem)
 def test_example_runs(script: pathlib.Path) -> None:
+    if script.stem.startswith("torchrl"):
+        pytest.importorskip("torchrl")  # CI's environment beside torchrl runs it
     assert "eager" in _run(script).stdout
 
 

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
-from tensordict.nn import TensorDictModule
+from tensordict import TensorDict
+from tensordict.nn import NormalParamExtractor, TensorDictModule
 from torch import nn
+from torch.distributions import Normal
 
 from .conftest import Backend
 
 torchrl = pytest.importorskip("torchrl")
 from torchrl.collectors import Collector  # noqa: E402
 from torchrl.envs import PendulumEnv  # noqa: E402
+from torchrl.modules import MLP, ProbabilisticActor, TanhNormal, ValueOperator  # noqa: E402
+from torchrl.objectives import ClipPPOLoss, SACLoss, SoftUpdate  # noqa: E402
 
 
 class _Policy(nn.Module):
@@ -43,4 +49,91 @@ def test_a_collector_trusts_a_graphed_policy(backend: Backend) -> None:
             expected = policy(batch.select("th", "thdot").clone())["action"]
         torch.testing.assert_close(batch["action"], expected)
     # The collector's mode (no_grad, its exploration type): a graph captured and replayed.
+    assert any(info.captured and info.replays for info in graphed.graphs())
+
+
+def _actor(device: torch.device, distribution: Any) -> ProbabilisticActor:
+    net = nn.Sequential(MLP(in_features=3, out_features=2, num_cells=[32]), NormalParamExtractor())
+    module = TensorDictModule(net, in_keys=["observation"], out_keys=["loc", "scale"])
+    return ProbabilisticActor(
+        module,
+        in_keys=["loc", "scale"],
+        distribution_class=distribution,
+        return_log_prob=True,
+    ).to(device)
+
+
+def _sac(device: torch.device) -> tuple[Any, Any]:
+    actor = _actor(device, TanhNormal)
+    qvalue = ValueOperator(
+        MLP(in_features=4, out_features=1, num_cells=[32]), in_keys=["observation", "action"]
+    ).to(device)
+    loss = SACLoss(actor, qvalue, num_qvalue_nets=2, target_entropy=-1.0)
+    loss.make_value_estimator(gamma=0.99)
+    return loss, SoftUpdate(loss, tau=0.05)
+
+
+def _ppo(device: torch.device) -> tuple[Any, Any]:
+    critic = ValueOperator(
+        MLP(in_features=3, out_features=1, num_cells=[32]), in_keys=["observation"]
+    )
+    loss = ClipPPOLoss(_actor(device, Normal), critic.to(device), entropy_coeff=0.01)
+    return loss, None
+
+
+def _batch(device: torch.device, n: int = 64) -> TensorDict:
+    td = TensorDict(
+        observation=torch.randn(n, 3),
+        action=torch.rand(n, 1) * 2 - 1,
+        action_log_prob=torch.randn(n, 1) - 1,
+        advantage=torch.randn(n, 1),
+        value_target=torch.randn(n, 1),
+        next=TensorDict(
+            observation=torch.randn(n, 3),
+            reward=torch.randn(n, 1),
+            done=torch.zeros(n, 1, dtype=torch.bool),
+            terminated=torch.zeros(n, 1, dtype=torch.bool),
+        ),
+        batch_size=[n],
+    )
+    return td.to(device)
+
+
+def _update(loss: Any, updater: Any, device: torch.device, capturable: bool) -> Any:
+    lr = torch.tensor(3e-3, device=device) if capturable else 3e-3
+    optimizer = torch.optim.Adam(loss.parameters(), lr=lr, capturable=capturable)
+
+    def update(batch: TensorDict) -> TensorDict:
+        optimizer.zero_grad(set_to_none=False)
+        losses = loss(batch)
+        total = sum(value for key, value in losses.items() if key.startswith("loss_"))
+        total.backward()
+        optimizer.step()
+        if updater is not None:
+            updater.step()  # the target networks, in place
+        return losses.detach()
+
+    return update
+
+
+@pytest.mark.parametrize("make_loss", [_sac, _ppo], ids=["SACLoss", "ClipPPOLoss"])
+def test_a_whole_loss_update_matches_its_eager_twin(backend: Backend, make_loss: Any) -> None:
+    # The loss, its backward, the optimizer step (and SAC's target update) in one graph;
+    # the same random numbers for both (the generator seeded before each update).
+    torch.manual_seed(0)
+    loss, updater = make_loss(backend.device)
+    twin, twin_updater = make_loss(backend.device)
+    twin.load_state_dict(loss.state_dict())
+    capturable = backend.name == "cuda"
+    graphed = backend.wrap(_update(loss, updater, backend.device, capturable), warmup=3)
+    eager = _update(twin, twin_updater, backend.device, capturable)
+    for i in range(8):
+        batch = _batch(backend.device)
+        torch.manual_seed(100 + i)
+        got = graphed(batch)
+        torch.manual_seed(100 + i)
+        want = eager(batch)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(loss.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
     assert any(info.captured and info.replays for info in graphed.graphs())
