@@ -62,7 +62,12 @@ def agent(device: torch.device) -> tuple[ProbabilisticActor, SACLoss, SoftUpdate
         ),
         in_keys=["loc", "scale"],
         distribution_class=TanhNormal,
-        distribution_kwargs={"low": -2.0, "high": 2.0},
+        # Bounds as tensors on the device: from numbers, TanhNormal would copy them there at
+        # each call, which no capture admits.
+        distribution_kwargs={
+            "low": torch.tensor(-2.0, device=device),
+            "high": torch.tensor(2.0, device=device),
+        },
     ).to(device)
     qvalue = ValueOperator(
         MLP(4, 1, num_cells=[HIDDEN, HIDDEN]), in_keys=["observation", "action"]
@@ -182,12 +187,13 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     frames = args.frames if cuda else 300
-    rates = {v: frames_per_second(v, frames, device, backend) for v in variants}
     where = torch.cuda.get_device_name() if cuda else "cpu; no graph to compare without CUDA"
-    print(f"PendulumEnv, SAC, one update of {BATCH} per frame ({where})")
-    for variant, rate in rates.items():
+    print(f"PendulumEnv, SAC, one update of {BATCH} per frame ({where})", flush=True)
+    rates: dict[str, float] = {}
+    for variant in variants:  # each printed once measured
+        rate = rates[variant] = frames_per_second(variant, frames, device, backend)
         ratio = f" ({rate / rates['eager']:.2f}x eager)" if "eager" in rates else ""
-        print(f"{variant + ':':22} {rate:10,.0f} frames/s{ratio}")
+        print(f"{variant + ':':22} {rate:10,.0f} frames/s{ratio}", flush=True)
 
 
 if __name__ == "__main__":

@@ -97,7 +97,8 @@ def _track_eager_ddp(backend: Backend) -> None:
     )
     # A CudaGraphModule in grad mode inside the module that DDP wraps: its autograd node's
     # backward gives DDP's hooks the gradients, which DDP all-reduces eagerly.
-    inner_ddp = DDP(_GraphedInside(inner, backend), device_ids=ids)
+    with torch.cuda.stream(capture_stream()) if ids else contextlib.nullcontext():
+        inner_ddp = DDP(_GraphedInside(inner, backend), device_ids=ids)  # as `whole_ddp`
     with torch.cuda.stream(capture_stream()) if ids else contextlib.nullcontext():
         whole_ddp = DDP(whole, device_ids=ids)  # its accumulators on the capture stream
     lr = 1e-2

@@ -9,7 +9,6 @@ import torch
 from tensordict import TensorDict
 from tensordict.nn import NormalParamExtractor, TensorDictModule
 from torch import nn
-from torch.distributions import Normal
 
 from .conftest import Backend
 
@@ -52,19 +51,24 @@ def test_a_collector_trusts_a_graphed_policy(backend: Backend) -> None:
     assert any(info.captured and info.replays for info in graphed.graphs())
 
 
-def _actor(device: torch.device, distribution: Any) -> ProbabilisticActor:
+def _actor(device: torch.device) -> ProbabilisticActor:
     net = nn.Sequential(MLP(in_features=3, out_features=2, num_cells=[32]), NormalParamExtractor())
     module = TensorDictModule(net, in_keys=["observation"], out_keys=["loc", "scale"])
+    # TanhNormal's bounds as tensors on the device: from numbers, it would copy them there at
+    # each call, which no capture admits. (Its Monte-Carlo entropy also keeps ClipPPOLoss off
+    # its host check of an analytic entropy, in torchrl 0.14.)
+    bounds = {"low": torch.tensor(-1.0, device=device), "high": torch.tensor(1.0, device=device)}
     return ProbabilisticActor(
         module,
         in_keys=["loc", "scale"],
-        distribution_class=distribution,
+        distribution_class=TanhNormal,
+        distribution_kwargs=bounds,
         return_log_prob=True,
     ).to(device)
 
 
 def _sac(device: torch.device) -> tuple[Any, Any]:
-    actor = _actor(device, TanhNormal)
+    actor = _actor(device)
     qvalue = ValueOperator(
         MLP(in_features=4, out_features=1, num_cells=[32]), in_keys=["observation", "action"]
     ).to(device)
@@ -77,7 +81,7 @@ def _ppo(device: torch.device) -> tuple[Any, Any]:
     critic = ValueOperator(
         MLP(in_features=3, out_features=1, num_cells=[32]), in_keys=["observation"]
     )
-    loss = ClipPPOLoss(_actor(device, Normal), critic.to(device), entropy_coeff=0.01)
+    loss = ClipPPOLoss(_actor(device), critic.to(device), entropy_coeff=0.01)
     return loss, None
 
 
