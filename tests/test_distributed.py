@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -81,6 +82,16 @@ class _GraphedInside(nn.Module):
         return self.graphed(x)  # type: ignore[no-any-return]
 
 
+def _on(stream: Any, step: Any) -> Any:
+    """``step``, run under ``stream`` (a stream context, entered at each call)."""
+
+    def run(*args: Any) -> Any:
+        with stream:
+            return step(*args)
+
+    return run
+
+
 def _replayed(graphed: CudaGraphModule) -> bool:
     return any(info.captured and info.replays for info in graphed.graphs())
 
@@ -96,16 +107,21 @@ def _track_eager_ddp(backend: Backend) -> None:
         make_graphed_callables(partial, (sample,), backend=backend.name), device_ids=ids
     )
     # A CudaGraphModule in grad mode inside the module that DDP wraps: its autograd node's
-    # backward gives DDP's hooks the gradients, which DDP all-reduces eagerly.
-    with torch.cuda.stream(capture_stream()) if ids else contextlib.nullcontext():
-        inner_ddp = DDP(_GraphedInside(inner, backend), device_ids=ids)  # as `whole_ddp`
+    # backward gives DDP's hooks the gradients, which DDP all-reduces eagerly. DDP keeps
+    # its gradient accumulators, tied to the stream they were made on, where the wrapper's
+    # captures and replays must both run: DDP built and its steps run on the capture stream.
+    on_capture_stream = torch.cuda.stream(capture_stream()) if ids else contextlib.nullcontext()
+    with on_capture_stream:
+        inner_ddp = DDP(_GraphedInside(inner, backend), device_ids=ids)
     with torch.cuda.stream(capture_stream()) if ids else contextlib.nullcontext():
         whole_ddp = DDP(whole, device_ids=ids)  # its accumulators on the capture stream
     lr = 1e-2
     steps = {
         "eager": _step(eager_ddp, torch.optim.SGD(eager_ddp.parameters(), lr=lr)),
         "partial": _step(partial_ddp, torch.optim.SGD(partial_ddp.parameters(), lr=lr)),
-        "inner": _step(inner_ddp, torch.optim.SGD(inner_ddp.parameters(), lr=lr)),
+        "inner": _on(
+            on_capture_stream, _step(inner_ddp, torch.optim.SGD(inner_ddp.parameters(), lr=lr))
+        ),
         "whole": CudaGraphModule(
             _step(whole_ddp, torch.optim.SGD(whole_ddp.parameters(), lr=lr)),
             warmup=12,
