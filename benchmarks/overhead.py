@@ -23,7 +23,7 @@ from tensordict.nn import CudaGraphModule as TDCudaGraphModule
 from tensordict.nn.probabilistic import interaction_type
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-sys.path.insert(0, str(pathlib.Path(__file__).parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "src"))
 
 import workloads
 from run import time_cpu

@@ -52,7 +52,7 @@ import tensordict
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-sys.path.insert(0, str(pathlib.Path(__file__).parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "src"))
 
 import report
 import workloads

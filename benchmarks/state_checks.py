@@ -1,7 +1,7 @@
 """What the checks of the state around a graph cost per call, part by part (CPU time).
 
 Each replay checks, besides its inputs: the calling thread, the autocast state, and the
-parameters and buffers that the graph reads (see ``cudagraph_td/_state.py``). This times
+parameters and buffers that the graph reads (see ``src/cudagraph_td/_state.py``). This times
 each part alone with ``timeit`` on this host, for the policy of the benchmark's workload c
 and for a larger network, beside a whole replay of that policy, so that the share of each
 check can be read off. Run on the GPU machine: ``python benchmarks/state_checks.py``.

@@ -15,9 +15,9 @@ mkdir -p "$out"
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="$PWD/src:$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 else
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONUNBUFFERED=1
 status=0
@@ -26,7 +26,7 @@ status=0
   python3 -c 'import torch, tensordict, optree; print("torch", torch.__version__, "tensordict", tensordict.__version__, "optree", optree.__version__)'
 } 2>&1 | tee "$out/env.log"
 if [ "${TESTS:-1}" = 1 ]; then
-  CATALOG_EXAMPLES=${CATALOG_EXAMPLES:-200} python3 -m pytest -q -p no:cacheprovider tests cudagraph_td "$@" 2>&1 | tee "$out/gpu-tests.log" || status=1
+  CATALOG_EXAMPLES=${CATALOG_EXAMPLES:-200} python3 -m pytest -q -p no:cacheprovider tests src/cudagraph_td "$@" 2>&1 | tee "$out/gpu-tests.log" || status=1
   for example in examples/*.py; do
     case $example in examples/torchrl*) continue ;; esac  # run beside torchrl, below
     echo "== $example" | tee -a "$out/examples.log"
@@ -37,12 +37,12 @@ if [ "${TORCHRL:-1}" = 1 ] && compgen -G ".whl-rl/torchrl-*.whl" > /dev/null; th
   # torchrl 0.14.1 pins tensordict<0.15: its own site directory, not the one above.
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site-rl .whl-rl/*.whl || exit 1
-  PYTHONPATH="$PWD:/tmp/site-rl" python3 -m pytest -q -p no:cacheprovider \
+  PYTHONPATH="$PWD/src:$PWD:/tmp/site-rl" python3 -m pytest -q -p no:cacheprovider \
     tests/test_torchrl.py tests/test_tdmodule.py tests/test_compat.py tests/test_module.py \
     2>&1 | tee "$out/gpu-torchrl.log" || status=1
   for example in examples/torchrl*.py; do
     echo "== $example" | tee -a "$out/examples.log"
-    PYTHONPATH="$PWD:/tmp/site-rl" python3 "$example" ${RL_EXAMPLE_ARGS:-} 2>&1 \
+    PYTHONPATH="$PWD/src:/tmp/site-rl" python3 "$example" ${RL_EXAMPLE_ARGS:-} 2>&1 \
       | tee -a "$out/examples.log" || status=1
   done
 fi

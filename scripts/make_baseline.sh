@@ -9,7 +9,10 @@ rev=${1:?usage: make_baseline.sh REV}
 cd "$(git rev-parse --show-toplevel)"
 out=benchmarks/baseline/cudagraph_td_baseline
 rm -rf "$out" && mkdir -p "$out"
-git archive "$rev" cudagraph_td | tar -x -C "$out" --strip-components=1
+# The package's folder at REV: src/cudagraph_td, or cudagraph_td before the src layout.
+folder=src/cudagraph_td
+git cat-file -e "$rev:$folder" 2>/dev/null || folder=cudagraph_td
+git archive "$rev" "$folder" | tar -x -C "$out" --strip-components="$(tr -cd / <<< "$folder/" | wc -c)"
 sed -i 's/^NAMESPACE = "cudagraph_td"/NAMESPACE = "cudagraph_td_baseline"/' "$out/_tree.py"
 grep -q '^NAMESPACE = "cudagraph_td_baseline"' "$out/_tree.py"
 echo "REVISION = \"$(git rev-parse --short "$rev")\"" >> "$out/__init__.py"

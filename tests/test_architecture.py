@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
-PACKAGE = pathlib.Path(__file__).parent.parent / "cudagraph_td"
+PACKAGE = pathlib.Path(__file__).parent.parent / "src" / "cudagraph_td"
 
 
 def _package_imports(path: pathlib.Path) -> set[str]:

@@ -1,7 +1,7 @@
 """The private torch and tensordict APIs of `_compat`: each behaves as the library assumes.
 
 A failure here means an upstream release changed something the library relies on: read the
-entry's note in `cudagraph_td/_compat.py` before changing the library.
+entry's note in `src/cudagraph_td/_compat.py` before changing the library.
 """
 
 from __future__ import annotations

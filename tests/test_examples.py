@@ -21,7 +21,9 @@ def _run(
     importable; check it succeeded."""
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])
+        ),
     }
     result = subprocess.run(
         [sys.executable, *launcher, str(script), *args],
