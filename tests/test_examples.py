@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import subprocess
 import sys
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
+
+from .conftest import Backend
 
 ROOT = pathlib.Path(__file__).parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
@@ -60,3 +65,16 @@ def test_ddp_example_runs_on_two_processes() -> None:
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     result = _run(ROOT / "examples" / "ddp_update.py", "--steps", "20", launcher=launcher)
     assert "2 ranks, 20 updates: parameters equal across variants and ranks" in result.stdout
+
+
+def test_the_quickstart_tensordict_example_runs_as_written(backend: Backend) -> None:
+    # The block of docs/quickstart.md as a user pastes it, on each backend.
+    text = (ROOT / "docs" / "quickstart.md").read_text()
+    section = text[text.index("## TensorDict modules") :]
+    block = section[section.index("```python\n") + len("```python\n") :]
+    block = block[: block.index("```")]
+    assert "policy = CudaGraphModule(actor)" in block and "policy(observation=obs)" in block
+    namespace: dict[str, Any] = {}
+    with mock.patch("cudagraph_td.CudaGraphModule", functools.partial(backend.wrap)):
+        exec(compile(block, "docs/quickstart.md", "exec"), namespace)
+    assert any(info.captured and info.replays for info in namespace["policy"].graphs())

@@ -395,3 +395,32 @@ def test_several_nested_in_and_out_keys_match_eager(backend: Backend, call: str)
             assert out is td
             for key in ("a", ("out", "b")):
                 torch.testing.assert_close(td[key], expected_td[key])
+
+
+@pytest.mark.parametrize("first", ["tensordict", "keywords"])
+def test_tensordict_and_keyword_calls_replay_one_graph(backend: Backend, first: str) -> None:
+    net = nn.Linear(4, 2).to(backend.device)
+    policy = backend.wrap(TensorDictModule(net, in_keys=["obs"], out_keys=["act"]), warmup=2)
+
+    def by_tensordict(obs: torch.Tensor) -> torch.Tensor:
+        return policy(TensorDict(obs=obs, batch_size=[8]))["act"]  # type: ignore[no-any-return]
+
+    def by_keywords(obs: torch.Tensor) -> torch.Tensor:
+        return policy(obs=obs)  # type: ignore[no-any-return]
+
+    calls = [by_tensordict, by_keywords] if first == "tensordict" else [by_keywords, by_tensordict]
+    with torch.no_grad():
+        for call in [calls[0]] * 2 + calls * 3:  # a warm-up and the capture, then both kinds
+            obs = backend.randn(8, 4)
+            torch.testing.assert_close(call(obs), net(obs))
+        (info,) = policy.graphs()
+        assert info.captured and info.replays == 6
+        # A TensorDict you pass keeps its batch size: another one than the capture's raises.
+        other = (
+            TensorDict(obs=backend.randn(8, 4), batch_size=[]) if first == "tensordict" else None
+        )
+        if other is not None:
+            with pytest.raises(
+                ValueError, match=re.escape("of batch size [8], but received batch size []")
+            ):
+                policy(other)

@@ -2,7 +2,7 @@
 
 A differentiable call is captured twice: its forward, and the backward of that forward
 (``torch.autograd.grad`` of its outputs that require grad with respect to its inputs that
-require grad and to the leaves it reads, such as parameters). :class:`_GraphedFunction`
+require grad and to the leaves it reads, such as parameters). ``_GraphedFunction``
 replays the first in its ``forward`` and the second in its ``backward``, so that autograd
 sees one node whose gradients equal the eager ones. Gradients are returned in fresh memory:
 two backward passes accumulate as in eager mode.

@@ -1,8 +1,8 @@
 """Graph backends: CUDA graphs, and a CPU emulation of their contract for tests.
 
 A backend does two things: run a warm-up call, and capture a function into a graph whose
-``replay()`` runs it again on the same memory. :class:`CudaBackend` uses
-:class:`torch.cuda.CUDAGraph`. :class:`EmulatedBackend` keeps the contract that matters to
+``replay()`` runs it again on the same memory. ``CudaBackend`` uses
+``torch.cuda.CUDAGraph``. ``EmulatedBackend`` keeps the contract that matters to
 correctness — static input buffers, and a replay that rewrites the same output tensors —
 so that a bug in the wrapper (an output that changes when the wrapper is called again, an
 input that is not copied in) fails on a machine without a GPU too.
@@ -153,7 +153,7 @@ class SharedPool:
 class CudaBackend:
     """Warm-up and capture on the device's side stream, into the given memory pool.
 
-    ``pool`` is the pool of the owner's graphs: a :class:`SharedPool`, a handle the user gave,
+    ``pool`` is the pool of the owner's graphs: a ``SharedPool``, a handle the user gave,
     or ``None`` for a new one per capture.
     """
 

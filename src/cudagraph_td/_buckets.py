@@ -2,7 +2,7 @@
 
 A call of ``n`` rows is padded to the next bucket size ``b`` (see `_padding`), and its result
 sliced back to ``n`` rows. Once the graph of ``b`` is captured, calls of ``n`` rows replay it
-through views of the first ``n`` rows of its buffers (:meth:`GraphCall.rows`): no padded copy,
+through views of the first ``n`` rows of its buffers (``GraphCall.rows``): no padded copy,
 the replay path of any graph, and the padded rows keep rows of earlier calls (real values, as
 a padding must hold). With a list of buckets (or ``precapture``), the first capture captures
 them all, largest first, so that the smaller graphs reuse the largest one's memory.

@@ -37,8 +37,9 @@ def graph_replay(graph: Any) -> Callable[[], None]:
 
     That frame only checks an input-liveness tracker (torch 2.13), which ``capture_begin(
     check_input_liveness=True)`` turns on and the library never does, or does nothing more
-    (torch 2.11): the replay path calls the C++ method of ``torch._C._CUDAGraph`` directly. Any other graph (the emulation's, a
-    graph with a tracker) replays through its own ``replay``.
+    (torch 2.11): the replay path calls the C++ method of ``torch._C._CUDAGraph`` directly.
+    Any other graph (the emulation's, a graph with a tracker) replays through its own
+    ``replay``.
     """
     if isinstance(graph, torch.cuda.CUDAGraph) and getattr(graph, "_tracker", None) is None:
         return super(torch.cuda.CUDAGraph, graph).replay

@@ -8,11 +8,11 @@ or later). torch's recipe for it, which the wrapper applies or asks for:
 2. The capture in the ``"thread_local"`` error mode: the process group's watchdog thread
    polls its collectives' events while a step is captured, which the ``"global"`` mode
    forbids (the capture fails on one rank, and the others wait for it).
-3. DDP built on the capture stream (:func:`capture_stream`): DDP keeps the parameters'
+3. DDP built on the capture stream (``capture_stream``): DDP keeps the parameters'
    gradient accumulators, which autograd ties to the stream they were made on.
 
 4. The same graphs on every rank, in the same order (each replay runs the captured
-   collectives). With ``shapes=``, the ranks agree before each call (:class:`Agreement`,
+   collectives). With ``shapes=``, the ranks agree before each call (``Agreement``,
    over a CPU group of their own, so no host synchronisation with the GPU): ``"exact"``
    checks that every rank has the same shapes, ``"buckets"`` pads every rank to the largest
    bucket any of them needs. Such calls skip the replay path (they cost a collective).
@@ -54,7 +54,7 @@ def checked(
 ) -> tuple[str, ShapeOptions]:
     """The capture error mode for ``fn``: ``mode``, or ``"thread_local"`` for a function
     that calls a DDP module (see above), after checking what else that needs; and the shape
-    options, with the ranks' :class:`Agreement` for such a function."""
+    options, with the ranks' ``Agreement`` for such a function."""
     if isinstance(fn, DistributedDataParallel):
         raise TypeError(
             f"{name} cannot replay a DistributedDataParallel module's forward: DDP's "

@@ -30,7 +30,7 @@ def reset_hint(name: str) -> str:
 class InputMismatchError(ValueError):
     """A call's input differs from the captured one (shape, dtype, device, value, structure).
 
-    A :class:`ValueError`, as tensordict raises for such calls, that says where and how:
+    A ``ValueError``, as tensordict raises for such calls, that says where and how:
 
     Attributes:
         path: The input, as the user wrote it (``args[0]["next", "obs"]``, ``kwargs["x"]``),
@@ -53,7 +53,7 @@ InputMismatchError.__module__ = "cudagraph_td"  # where users import it from
 class InputKeyError(KeyError):
     """A TensorDict input lacks an entry that the captured graph reads.
 
-    A :class:`KeyError`, as tensordict raises for a missing ``in_key``, whose message prints
+    A ``KeyError``, as tensordict raises for a missing ``in_key``, whose message prints
     as written (``KeyError`` alone would print its message quoted).
     """
 

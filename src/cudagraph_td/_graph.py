@@ -1,7 +1,7 @@
 """A graph's life: warm-up calls, the capture, then replays.
 
-:class:`GraphRunner` runs a function through the stages of one graph. :func:`capture` records
-the call that ends the warm-up: a plain graph (:class:`GraphCall`) or, when the result needs
+``GraphRunner`` runs a function through the stages of one graph. ``capture`` records
+the call that ends the warm-up: a plain graph (``GraphCall``) or, when the result needs
 gradients, a forward and a backward graph inside an autograd node (see `_autograd`). Either
 is a complete captured call (`_replay.Captured`) that the replay path launches.
 """

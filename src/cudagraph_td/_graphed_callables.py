@@ -29,7 +29,7 @@ def make_graphed_callables(
 ) -> Any:
     """Capture callables' forward and backward as CUDA graphs inside one autograd node each.
 
-    A drop-in replacement for :func:`torch.cuda.make_graphed_callables`: the same arguments
+    A drop-in replacement for ``torch.cuda.make_graphed_callables``: the same arguments
     and return types. Each callable is warmed up ``num_warmup_iters`` times (forward and
     backward) on a side stream, then its forward is captured, then the backward of that
     forward. Calling the result replays the forward graph; ``backward()`` through its
@@ -41,11 +41,11 @@ def make_graphed_callables(
     and constants; keyword arguments are given with ``sample_kwargs``; outputs that do not
     require grad and constant outputs are allowed; gradients are returned in fresh memory, so
     that two backward passes accumulate as in eager mode; every call's inputs are checked
-    against the samples (see [sharp edges][sharp-edges]). A module captured in training
+    against the samples (see the docs' Sharp edges page). A module captured in training
     mode runs its original forward in eval mode, and the reverse, as torch's does.
 
     Args:
-        callables: A callable or :class:`torch.nn.Module`, or a tuple of them.
+        callables: A callable or ``torch.nn.Module``, or a tuple of them.
         sample_args: A tuple of sample arguments, or a tuple of such tuples (one per callable).
             Their tensors' ``requires_grad`` says which arguments get gradients. A list of
             sample tuples for one callable captures a graph pair per entry (a batch size
@@ -61,7 +61,7 @@ def make_graphed_callables(
             each forward's backward before another shape's forward.
         sample_kwargs: The sample keyword arguments: a dict, or a tuple of dicts; a list of
             dicts for a list of sample tuples.
-        capture_error_mode: Passed to :meth:`torch.cuda.CUDAGraph.capture_begin`.
+        capture_error_mode: Passed to ``torch.cuda.CUDAGraph.capture_begin``.
         backend: ``"cuda"``; ``"emulate"`` for the CPU emulation of the graph contract
             (experimental, for tests); ``"auto"`` for ``"cuda"`` when CUDA is available, else
             the callables are returned unchanged, with a warning.
@@ -75,9 +75,9 @@ def make_graphed_callables(
         ValueError: A module has hooks or buffers that require grad; an argument that
             requires grad is unused and ``allow_unused_input`` is ``False``.
         RuntimeError: Autocast with its cache enabled; a capture failure (see
-            :class:`CudaGraphModule`).
+            ``CudaGraphModule``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from cudagraph_td import make_graphed_callables
         >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))

@@ -41,7 +41,7 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA build
 class CudaGraphModule(tensordict.nn.CudaGraphModule):
     """Capture a function as a CUDA graph, then replay it at each call.
 
-    A drop-in replacement for :class:`tensordict.nn.CudaGraphModule`, and a subclass of it
+    A drop-in replacement for ``tensordict.nn.CudaGraphModule``, and a subclass of it
     (code that checks for it, such as torchrl's collectors, takes this one). Calls ``1`` to
     ``warmup - 1`` run the function eagerly on a side stream; call ``warmup`` captures the
     graph and returns a real result; every later call copies its tensor inputs into the
@@ -62,41 +62,41 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
 
     The wrapper keeps graphs per mode that changes what the function computes (grad mode,
     a module's training mode, tensordict's interaction type, the autocast state), per device
-    (see ``device``) and, with ``shapes=``, per input shape (see [several shapes][several-shapes]).
-    In grad mode, when the captured outputs require grad, the forward and its backward are
-    captured inside one autograd node (see [make_graphed_callables][cudagraph_td.make_graphed_callables]), so
-    ``loss.backward()`` replays the backward graph; under ``torch.no_grad()`` a plain graph.
-
-    Without CUDA (and with ``backend="auto"``), the constructor warns once and every call
-    runs the function directly. See [sharp edges][sharp-edges] for what a graph cannot capture.
+    (see ``device``) and, with ``shapes=``, per input shape (see "Several shapes" in the
+    docs' Sharp edges page). In grad mode, when the captured outputs require grad, the
+    forward and its backward are captured inside one autograd node (see
+    ``make_graphed_callables``), so ``loss.backward()`` replays the backward graph; under
+    ``torch.no_grad()`` a plain graph. Without CUDA (and with ``backend="auto"``), the
+    constructor warns once and every call runs the function directly. See the docs' Sharp
+    edges page for what a graph cannot capture.
 
     Args:
-        module: The function, :class:`torch.nn.Module` or TensorDictModule to capture.
+        module: The function, ``torch.nn.Module`` or TensorDictModule to capture.
         warmup: The call that captures the graph; the calls before it are eager warm-ups.
             A ``torch.compile``d function needs enough warm-up calls to finish compiling:
-            ``warmup=3`` (see [training steps][with-torchcompile]).
+            ``warmup=3`` (see the docs' Training steps page).
         in_keys: The input keys, for a module that takes a TensorDict. Taken from
             ``module.in_keys`` when the module has them.
         out_keys: The output keys, for a module that returns a TensorDict. Taken from
             ``module.out_keys`` when the module has them.
         device: The CUDA device of the graphs. By default, the device of each call's first
             CUDA tensor input (else the current one) has graphs of its own, unless the
-            function reaches parameters or optimizer state on another ([Several GPUs](several-gpus.md)).
+            function reaches parameters or optimizer state on another (the docs' Several GPUs page).
         pool: A memory pool (``torch.cuda.graph_pool_handle()``, another wrapper's
             ``pool()``, or another graph's) to share with other graphs. Defaults to a pool
             of the wrapper's own, shared by its graphs (a graph captured for autograd takes
             one of its own).
-        capture_error_mode: Passed to :meth:`torch.cuda.CUDAGraph.capture_begin`: one of
+        capture_error_mode: Passed to ``torch.cuda.CUDAGraph.capture_begin``: one of
             ``"global"``, ``"thread_local"`` (taken for ``"global"`` by a step that calls a
-            DDP module: see [Several GPUs](several-gpus.md)), ``"relaxed"``.
+            DDP module: see the docs' Several GPUs page), ``"relaxed"``.
         backend: ``"cuda"`` for CUDA graphs; ``"emulate"`` for the CPU emulation of their
             contract (static buffers, outputs overwritten at each replay), which lets the
             code that uses the wrapper be tested on a machine without a GPU (experimental);
             ``"auto"`` for ``"cuda"`` when CUDA is available, else eager calls.
         verify: How many replays, after the capture, also run the function eagerly on
             copies of their inputs and compare the results and the inputs updated in place,
-            raising a [VerificationError][cudagraph_td.VerificationError] that names the
-            first leaf that differs and its likely cause (see [sharp edges][sharp-edges]).
+            raising a `VerificationError` that names the
+            first leaf that differs and its likely cause (see the docs' Sharp edges page).
             A debugging aid: a verified replay synchronises the host and costs an eager
             call more. It cannot check a training step, nor a function that draws random
             numbers. Counted per graph. Defaults to 0.
@@ -109,7 +109,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         buckets: The batch sizes of ``shapes="buckets"``; the first capture captures them
             all, largest first. Defaults to powers of two, each captured on first sight.
         max_graphs: The most graphs captured on first sight per mode; past it, a
-            [GraphLimitWarning][cudagraph_td.GraphLimitWarning], then ``overflow``.
+            `GraphLimitWarning`, then ``overflow``.
         batch_dims: The number of leading dims of every input that ``"buckets"`` pads.
         overflow: What a call gets past ``max_graphs`` or above the largest bucket:
             ``"eager"`` (the function, run eagerly) or ``"raise"`` (a ``RuntimeError``).
@@ -121,7 +121,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         ValueError: An option has no valid value.
         RuntimeError: ``backend="cuda"`` on a machine without CUDA.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from cudagraph_td import CudaGraphModule
         >>> def step(x, *, scale):

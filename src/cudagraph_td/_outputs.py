@@ -1,9 +1,9 @@
 """A graph's outputs: returned in fresh memory at each call, in the captured structure.
 
-:class:`Outputs` is built at capture from the recorded result: its treespec, its constants,
+``Outputs`` is built at capture from the recorded result: its treespec, its constants,
 and the graph's static output tensors, which every replay overwrites. At each call
-:class:`FreshCopies` copies those tensors into new memory (several small ones into views of
-one buffer), and :meth:`Outputs.rebuild` puts the copies back into the result's structure.
+``FreshCopies`` copies those tensors into new memory (several small ones into views of
+one buffer), and ``Outputs.rebuild`` puts the copies back into the result's structure.
 """
 
 from __future__ import annotations

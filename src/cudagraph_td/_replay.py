@@ -3,27 +3,27 @@
 A call that replays a captured graph takes four steps, each prepared at capture:
 
 1. A *reader* takes the call's input tensors out of its arguments, in the order of the
-   graph's static inputs: positional tensors (:class:`Positional`), the entries of one
-   TensorDict (:class:`TensorDictEntries`), keyword tensors
-   (:class:`Keywords`), or, for any other call, the leaves of the flattened arguments once
-   their structure and constants match the capture's (:class:`Flattening`).
-2. One metadata check (:data:`metadata`): every tensor's type, shape, dtype, device and
+   graph's static inputs: positional tensors (``Positional``), the entries of one
+   TensorDict (``TensorDictEntries``), keyword tensors
+   (``Keywords``), or, for any other call, the leaves of the flattened arguments once
+   their structure and constants match the capture's (``Flattening``).
+2. One metadata check (``metadata``): every tensor's type, shape, dtype, device and
    ``requires_grad`` against the capture's.
    The state the graph reads besides its inputs (parameters, buffers: see `_state`) is
    checked with them.
 3. The captured call's ``launch``: the tensors copied into the static buffers, the graph
    replayed, the output tensors returned in fresh memory (through the autograd node, for a
    call captured for autograd).
-4. A *writer* gives the result its form: the captured output tree (:class:`Tree`), the
-   caller's TensorDict with the written entries (:class:`IntoTensorDict`), or the out_keys'
-   values (:class:`OutKeyValues`).
+4. A *writer* gives the result its form: the captured output tree (``Tree``), the
+   caller's TensorDict with the written entries (``IntoTensorDict``), or the out_keys'
+   values (``OutKeyValues``).
 
 The replay function is one, plus a variant for one tensor in and one out that skips the
 lists of one element and the calls that cost as much as the steps themselves (a Python call
 costs 0.1-0.3 us on the hosts measured, against a floor of 15-30 us per call).
 
 Every reader answers ``None`` for a call it cannot read, and a failed check is the same
-*miss*: the replay returns :data:`MISS`, and the caller takes its slow path (:func:`call`,
+*miss*: the replay returns ``MISS``, and the caller takes its slow path (``call``,
 or the TensorDict layer's full call), which checks the call in full and raises the error that
 names the leaf. Only the slow path explains.
 """
@@ -276,7 +276,7 @@ def default_routes(captured: Captured) -> list[Route]:
 
 def replay_function(captured: Captured, routes: Sequence[Route]) -> ReplayFunction:
     """The replay path of ``captured``: a route's reader, the metadata check, the launch, and
-    that route's writer; :data:`MISS` for a call the reader or the check does not pass.
+    that route's writer; ``MISS`` for a call the reader or the check does not pass.
 
     ``routes`` holds a route for calls without keywords and one for calls with keywords,
     or one route for both (its reader tells).

@@ -4,10 +4,10 @@
 shapes of the call's tensors), each on first sight with its own warm-up. ``"buckets"`` pads
 the batch dims of a call to the next bucket size (see `_buckets`).
 
-:class:`Graphs` holds the graphs of one mode. :meth:`Graphs.run` is the one place that picks
-a graph by the call's key. :attr:`Graphs.replay` is the mode's replay path: the one graph's,
+``Graphs`` holds the graphs of one mode. ``Graphs.run`` is the one place that picks
+a graph by the call's key. ``Graphs.replay`` is the mode's replay path: the one graph's,
 or a table from the shape of the call's first input to the replay path of the graph that
-served the last call of that shape (learned on the slow path, see :meth:`Graphs.learn`).
+served the last call of that shape (learned on the slow path, see ``Graphs.learn``).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def shown_options(options: ShapeOptions) -> dict[str, Any]:
 
 
 class GraphInfo(NamedTuple):
-    """One graph of a wrapper, as :meth:`CudaGraphModule.graphs` lists it."""
+    """One graph of a wrapper, as ``CudaGraphModule.graphs`` lists it."""
 
     mode: str  # the mode it serves: grad mode, training mode, interaction type, autocast
     key: Any  # None ("static"), the input tensors' shapes ("exact"), the batch dims ("buckets")
@@ -350,9 +350,9 @@ def make_graphs(
     fn: Callable[..., Any],
     lock: Any,
 ) -> Graphs:
-    """The graphs of one mode (and device) of a wrapper, ``mode`` its key there. Nothing in them refers to the wrapper, so that
-    dropping it frees them at once, without the garbage collector. ``cls``: `Graphs`, or
-    its subclass for ``shapes="buckets"``."""
+    """The graphs of one mode (and device) of a wrapper, ``mode`` its key there. Nothing in
+    them refers to the wrapper, so that dropping it frees them at once, without the garbage
+    collector. ``cls``: `Graphs`, or its subclass for ``shapes="buckets"``."""
     route = functools.partial(_route, layer)
     settled = functools.partial(_settled, verifier, mode)
     return cls(name, options, new_runner, route, settled, fn, lock)

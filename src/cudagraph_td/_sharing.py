@@ -11,7 +11,7 @@ So the wrappers' graphs share one workspace per device, made by a small capture 
 that holds nothing else (see `CudaBackend`): freed, by whoever clears the workspaces, its memory
 stays in that pool, where only the next workspace can take it. Graphs that share memory
 must not run at the same time: every wrapper's replay is ordered after the last replay on
-its device (:class:`ReplayOrder`), and all wrappers take :data:`REPLAY_LOCK` for a call, so
+its device (``ReplayOrder``), and all wrappers take ``REPLAY_LOCK`` for a call, so
 that no thread's replay slips between another's order check and its launch.
 """
 
@@ -90,10 +90,10 @@ def capture_stream(device: torch.device | int | str | None = None) -> torch.cuda
 
     Objects that autograd ties to a stream when they are made must be made on it, for
     their backward to be captured: build a
-    :class:`~torch.nn.parallel.DistributedDataParallel` whose training step you capture
-    whole under it (see [Several GPUs](several-gpus.md)).
+    ``DistributedDataParallel`` whose training step you capture
+    whole under it (see the docs' Several GPUs page).
 
-    Example:
+    Examples:
         >>> with torch.cuda.stream(cudagraph_td.capture_stream()):  # doctest: +SKIP
         ...     model = DistributedDataParallel(net, device_ids=[rank])
     """

@@ -1,11 +1,11 @@
 """The signature of a captured call: what its inputs must look like at every replay.
 
-:class:`Signature` is built once, at capture. It validates the capture's inputs, clones
+``Signature`` is built once, at capture. It validates the capture's inputs, clones
 their tensors into the graph's static buffers, and keeps what a replay compares: the
-treespec, the indices of the tensor leaves and each one's :data:`metadata`, and the
-non-tensor constants. :meth:`Signature.read` is the general reader of the replay path (see
-`_replay`); :meth:`Signature.match` is the slow path's full check, whose
-:meth:`Signature.diagnose` walks the trees to find the offending leaf and build the error
+treespec, the indices of the tensor leaves and each one's ``metadata``, and the
+non-tensor constants. ``Signature.read`` is the general reader of the replay path (see
+`_replay`); ``Signature.match`` is the slow path's full check, whose
+``Signature.diagnose`` walks the trees to find the offending leaf and build the error
 that names it.
 """
 
@@ -126,7 +126,7 @@ class Signature:
 
         Raises:
             ValueError, KeyError, RuntimeError: The call differs from the capture; the error
-                names the leaf (see :meth:`diagnose`).
+                names the leaf (see ``diagnose``).
         """
         tensors = self.read(args, kwargs)
         try:

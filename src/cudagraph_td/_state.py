@@ -5,9 +5,9 @@ uses and, for a training step, its optimizers' state, each at the address it had
 capture. Updated in place (an optimizer step, ``load_state_dict``, ``copy_``), they flow
 through the graph. Replaced (an attribute rebound, ``load_state_dict(assign=True)``,
 ``param.data = ...``, ``module.to(...)``, ``optimizer.load_state_dict(...)``), the graph
-would keep reading the old memory. :class:`State` holds where each piece was found and what
+would keep reading the old memory. ``State`` holds where each piece was found and what
 it was at capture; its ``fresh()`` tells, before each replay, whether all of it is still
-there. When not, the graph is captured again, with a :class:`RecaptureWarning`.
+there. When not, the graph is captured again, with a ``RecaptureWarning``.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def module_entries(path: str, module: nn.Module) -> Iterator[Entry]:
 
 
 def modules_entries(modules: Mapping[str, nn.Module]) -> list[Entry]:
-    """The entries of each of ``modules`` (by path), as :func:`module_entries` lists them."""
+    """The entries of each of ``modules`` (by path), as ``module_entries`` lists them."""
     return [entry for path, module in modules.items() for entry in module_entries(path, module)]
 
 

@@ -1,15 +1,16 @@
 """The TensorDict-module layer: ``in_keys`` and ``out_keys``, keyword calls, writes into the input.
 
 A TensorDictModule reads its ``in_keys`` from a TensorDict, writes its ``out_keys`` into it,
-and returns it. :class:`TensorDictLayer` gives a captured module the same behaviour: it
+and returns it. ``TensorDictLayer`` gives a captured module the same behaviour: it
 accepts a TensorDict or keyword tensors named by the ``in_keys`` (through tensordict's own
-:class:`~tensordict.nn.dispatch`), feeds the graph only the ``in_keys`` entries (other
+``dispatch``), feeds the graph only the ``in_keys`` entries (other
 entries are ignored, as the module ignores them), and writes the entries that the module
 wrote into the caller's TensorDict (or ``tensordict_out``), which it returns.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Sequence
@@ -98,7 +99,7 @@ def recording_writes(module: Callable[..., Any]) -> Callable[..., Any]:
 class TensorDictLayer:
     """Calls a graph with a TensorDict's ``in_keys`` entries, as a TensorDictModule is called.
 
-    :meth:`call` is the full call, for a graph's warm-up, capture and slow path; :meth:`routes`
+    ``call`` is the full call, for a graph's warm-up, capture and slow path; ``routes``
     gives the replay path's readers and writers for the two common calls, ``module(td)`` and
     ``module(**tensors)``.
     """
@@ -120,11 +121,13 @@ class TensorDictLayer:
 
     def call(self, runner: Runner, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Call the module's graph, whose stage ``runner`` runs, as the module is called."""
-        # The runner goes through dispatch as a keyword that no in_key can be named.
-        return self._dispatched(*args, **kwargs, **{_RUNNER: runner})
+        # The runner goes through dispatch as a keyword that no in_key can be named, with
+        # whether the call is one of keyword tensors (dispatch makes their TensorDict).
+        keywords = not args and "tensordict" not in kwargs
+        return self._dispatched(*args, **kwargs, **{_RUNNER: (runner, keywords)})
 
     def _call(self, tensordict: Any, *args: Any, **kwargs: Any) -> Any:
-        runner: Runner = kwargs.pop(_RUNNER)
+        runner, keywords = kwargs.pop(_RUNNER)
         tensordict_out: TensorDictBase | None = kwargs.pop("tensordict_out", None)
         if not is_tensor_collection(tensordict):
             raise _errors.not_a_tensordict(self.name, self.in_keys, tensordict)
@@ -136,6 +139,8 @@ class TensorDictLayer:
                 if missing:
                     raise _errors.missing_in_keys(self.name, missing)
             inputs = tensordict.select(*self.in_keys, strict=False)
+            if runner.captured is not None:
+                inputs = _batched_as_captured(inputs, runner.captured, keywords)
         elif tensordict_out is not None:
             # A function that writes into its input writes into a copy, whose entries then
             # go to `tensordict_out`: the caller's TensorDict is left as it was. The copy
@@ -182,7 +187,7 @@ class TensorDictLayer:
         ]
         # The out-key "_" marks an output that is not returned, as in tensordict.
         returned = [_key_tuple(key) for key in self.out_keys if key != "_"]
-        if selected.batch_size == () and all(key in out_paths for key in returned):
+        if all(key in out_paths for key in returned):  # read by name, whatever the batch
             names = ["_".join(key) for key in in_paths]
             indices = [out_paths.index(key) for key in returned]
             routes.append((Keywords(names), OutKeyValues(indices)))
@@ -190,6 +195,22 @@ class TensorDictLayer:
 
 
 _RUNNER = "_cudagraph_td_runner"
+
+
+def _batched_as_captured(inputs: Any, captured: Captured, keywords: bool) -> Any:
+    """The ``in_keys`` entries of a call, with the batch size of the graph's TensorDict when
+    the call's lacks one: a graph captured from ``module(td)`` also answers keyword calls
+    (whose TensorDict, made by dispatch, has batch size ``[]``), and one captured from a
+    keyword call answers ``module(td)``. The module reads the same tensors either way;
+    entries that do not fit the captured batch size keep theirs, for the full check."""
+    static = captured.signature.static_args
+    batch_size = static[0].batch_size if static and is_tensor_collection(static[0]) else None
+    if batch_size is None or inputs.batch_size == batch_size:
+        return inputs
+    if keywords or batch_size == ():
+        with contextlib.suppress(RuntimeError):  # entries of other shapes: the check says
+            inputs.batch_size = batch_size
+    return inputs
 
 
 def _key_tuple(key: Any) -> tuple[str, ...]:

@@ -3,8 +3,8 @@
 A function that runs ``loss.backward()`` and ``optimizer.step()`` reads state that is not
 among its inputs: the parameters' ``.grad`` tensors, at the addresses the capture recorded,
 and the optimizers' hyperparameters, whose Python numbers become constants of the captured
-kernels. Nothing at replay re-reads either. :func:`observe` finds that state before the
-capturing call, and the :class:`Watch` it yields checks it before each replay, so that a
+kernels. Nothing at replay re-reads either. ``observe`` finds that state before the
+capturing call, and the ``Watch`` it yields checks it before each replay, so that a
 gradient set to ``None`` or a Python learning rate changed after the capture raises an error
 instead of being silently ignored.
 
@@ -130,7 +130,7 @@ def _join(path: str, name: str) -> str:
 class Observation:
     """The gradients and optimizer state around one capturing call.
 
-    Made before the call's eager run; :meth:`after_eager_run` then tells whether the call
+    Made before the call's eager run; ``after_eager_run`` then tells whether the call
     was a training step (it moved parameters or their gradients).
     """
 

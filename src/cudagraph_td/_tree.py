@@ -1,12 +1,12 @@
 """Pytrees of call arguments and results: flattening, TensorDict nodes, readable leaf paths.
 
-Trees are flattened with optree in the library's own namespace, :data:`NAMESPACE`. TensorDict
+Trees are flattened with optree in the library's own namespace, ``NAMESPACE``. TensorDict
 types are registered there (never in torch's global pytree registry), so that a TensorDict's
 entries become leaves of the tree and its batch size, device and keys become part of the
 treespec: comparing two treespecs then compares the whole structure of two calls at once.
 
 optree matches node types exactly, and tensorclasses are user-defined types, so tensor
-collections are registered lazily, the first time :func:`flatten` meets their type.
+collections are registered lazily, the first time ``flatten`` meets their type.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class NonTensorEntry(optree.GetAttrEntry):
 
 
 def register(cls: type) -> None:
-    """Register a tensor collection type as a pytree node in :data:`NAMESPACE`."""
+    """Register a tensor collection type as a pytree node in ``NAMESPACE``."""
     if cls in _registered:
         return
     if issubclass(cls, NonTensorData):
@@ -180,14 +180,14 @@ def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
 
 
 def unflatten(spec: optree.PyTreeSpec, leaves: Any) -> Any:
-    """Rebuild a tree from its treespec and leaves (the inverse of :func:`flatten`)."""
+    """Rebuild a tree from its treespec and leaves (the inverse of ``flatten``)."""
     return optree.tree_unflatten(spec, leaves)
 
 
 def leaves_with_paths(tree: Any, root: str | None = None) -> list[tuple[str, Any]]:
-    """``(path, leaf)`` for every leaf of ``tree``, in the order of :func:`flatten`.
+    """``(path, leaf)`` for every leaf of ``tree``, in the order of ``flatten``.
 
-    The paths read as in :func:`format_path`; ``root`` names the tree (``None``: a call's
+    The paths read as in ``format_path``; ``root`` names the tree (``None``: a call's
     ``(args, kwargs)``).
     """
     accessors, leaves, _ = optree.tree_flatten_with_accessor(tree, namespace=NAMESPACE)
@@ -197,7 +197,7 @@ def leaves_with_paths(tree: Any, root: str | None = None) -> list[tuple[str, Any
 
 
 def leaf_paths(tree: Any, root: str | None = None) -> list[str]:
-    """Readable paths of the leaves of ``tree``, in the order of :func:`flatten`."""
+    """Readable paths of the leaves of ``tree``, in the order of ``flatten``."""
     return [path for path, _ in leaves_with_paths(tree, root)]
 
 

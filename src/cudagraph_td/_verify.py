@@ -2,12 +2,12 @@
 
 A graph replays the kernels recorded at capture, with every value the Python code read
 then: a branch on a tensor's value, a global or an attribute read at capture, stays as it
-was. Such a graph returns wrong answers without any error. :class:`Verifier` copies the
+was. Such a graph returns wrong answers without any error. ``Verifier`` copies the
 inputs of a replay, runs the function eagerly on the copies after it, and compares the two
 results and the two sets of inputs (which the function may update in place), leaf by leaf.
 
 The eager run must leave no trace: it runs under ``torch.no_grad()``, inside
-:func:`torch.random.fork_rng` (the caller's random numbers stay those of a run without
+``torch.random.fork_rng`` (the caller's random numbers stay those of a run without
 ``verify=``), and the parameters and buffers it changed in place (running statistics, for
 instance) get back the values the replay left.
 """
