@@ -194,7 +194,10 @@ def main() -> None:
         try:
             rate = rates[variant] = frames_per_second(variant, frames, device, backend)
         except Exception as err:  # a variant that cannot run this loop says why
-            print(f"{variant + ':':22} failed: {type(err).__name__}: {err}"[:300], flush=True)
+            text = f"{type(err).__name__}: {err}"
+            if len(text) > 400:  # its start, and its end (where a capture error's cause is)
+                text = f"{text[:150]} ... {text[-250:]}"
+            print(f"{variant + ':':22} failed: {text}", flush=True)
             continue
         ratio = f" ({rate / rates['eager']:.2f}x eager)" if "eager" in rates else ""
         print(f"{variant + ':':22} {rate:10,.0f} frames/s{ratio}", flush=True)
