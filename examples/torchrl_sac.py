@@ -93,17 +93,17 @@ def make_update(loss: SACLoss, updater: SoftUpdate, device: torch.device) -> Cal
     return update
 
 
-def wrap(variant: str, fn: Any, backend: str) -> Any:
-    """``fn`` as ``variant`` runs it."""
+def wrap(variant: str, fn: Any, backend: str, warmup: int = 3) -> Any:
+    """``fn`` as ``variant`` runs it (``warmup``: the graphed variants' capturing call)."""
     if variant == "eager":
         return fn
     if variant == "compile":
         return torch.compile(fn)
     if variant == "tensordict":
-        return tensordict.nn.CudaGraphModule(fn, warmup=3)
+        return tensordict.nn.CudaGraphModule(fn, warmup=warmup)
     if variant == "cudagraph_td+compile":  # compiling takes its first calls
-        return CudaGraphModule(torch.compile(fn), warmup=3, backend=backend)  # type: ignore[arg-type]
-    return CudaGraphModule(fn, warmup=3, backend=backend)  # type: ignore[arg-type]
+        return CudaGraphModule(torch.compile(fn), warmup=warmup, backend=backend)  # type: ignore[arg-type]
+    return CudaGraphModule(fn, warmup=warmup, backend=backend)  # type: ignore[arg-type]
 
 
 def check_parity(device: torch.device, backend: str) -> None:
@@ -136,12 +136,14 @@ def check_parity(device: torch.device, backend: str) -> None:
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 
-def frames_per_second(variant: str, frames: int, device: torch.device, backend: str) -> float:
+def frames_per_second(
+    variant: str, frames: int, device: torch.device, backend: str, warmup: int = 3
+) -> float:
     """Run the loop for ``frames`` frames; frames per second after the first two batches
     (warm-ups, captures and compilations)."""
     actor, loss, updater = agent(device)
-    policy = wrap(variant, actor, backend)
-    update = wrap(variant, make_update(loss, updater, device), backend)
+    policy = wrap(variant, actor, backend, warmup)
+    update = wrap(variant, make_update(loss, updater, device), backend, warmup)
     env = PendulumEnv(device=device)
     collector = Collector(
         env,
@@ -173,6 +175,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--frames", type=int, default=2000)
     parser.add_argument("--variants", default="eager,cudagraph_td", help=",".join(VARIANTS))
+    parser.add_argument("--warmup", type=int, default=3, help="the graphed variants' warmup=")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=DeprecationWarning)  # torchrl's own
     cuda = torch.cuda.is_available()
@@ -192,7 +195,7 @@ def main() -> None:
     rates: dict[str, float] = {}
     for variant in variants:  # each printed once measured
         try:
-            rate = rates[variant] = frames_per_second(variant, frames, device, backend)
+            rate = rates[variant] = frames_per_second(variant, frames, device, backend, args.warmup)
         except Exception as err:  # a variant that cannot run this loop says why
             text = f"{type(err).__name__}: {err}"
             if len(text) > 400:  # its start, and its end (where a capture error's cause is)
