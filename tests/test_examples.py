@@ -75,6 +75,10 @@ def test_the_quickstart_tensordict_example_runs_as_written(backend: Backend) -> 
     block = block[: block.index("```")]
     assert "policy = CudaGraphModule(actor)" in block and "policy(observation=obs)" in block
     namespace: dict[str, Any] = {}
-    with mock.patch("cudagraph_td.CudaGraphModule", functools.partial(backend.wrap)):
+    # The block picks its device by `torch.cuda.is_available()`: the backend's, here.
+    with (
+        mock.patch("cudagraph_td.CudaGraphModule", functools.partial(backend.wrap)),
+        mock.patch("torch.cuda.is_available", lambda: backend.name == "cuda"),
+    ):
         exec(compile(block, "docs/quickstart.md", "exec"), namespace)
     assert any(info.captured and info.replays for info in namespace["policy"].graphs())
