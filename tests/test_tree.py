@@ -13,6 +13,8 @@ from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, tensorc
 
 from cudagraph_td import _tree
 
+from .conftest import Backend
+
 Pair = namedtuple("Pair", "first second")
 
 
@@ -119,3 +121,27 @@ def test_torch_global_pytree_registry_is_untouched() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "untouched"
+
+
+def _weighted(td: TensorDict) -> torch.Tensor:
+    """Entries weighted by their place in the key order (nested TensorDicts too)."""
+    parts = []
+    for i, key in enumerate(td.keys()):
+        value = td[key]
+        if isinstance(value, TensorDict):
+            value = torch.cat([value[k] * (j + 1) for j, k in enumerate(value.keys())], -1)
+        parts.append(value * (i + 1))
+    return torch.cat(parts, -1)
+
+
+def test_a_graph_keeps_the_key_order_of_the_tensordict_it_was_captured_with(
+    backend: Backend,
+) -> None:
+    # A function that iterates over a TensorDict's keys computes in their order: the graph
+    # sees the order in which the caller set them, not the sorted one of the flattening.
+    graphed = backend.wrap(_weighted, warmup=2)
+    for _ in range(4):
+        inner = TensorDict(b=backend.randn(3, 1), a=backend.randn(3, 1), batch_size=[3])
+        td = TensorDict(zeta=backend.randn(3, 1), alpha=backend.randn(3, 2), batch_size=[3])
+        td["inner"], td["mid"] = inner, backend.randn(3, 1)
+        torch.testing.assert_close(graphed(td), _weighted(td))

@@ -94,6 +94,8 @@ class Signature:
                     for i in self.tensor_index
                 ]
         self.static_inputs = static_inputs
+        # The captured call's TensorDicts' key orders, which rebuilt trees keep.
+        self._orders = _tree.key_orders((args, kwargs))
         self._static_leaves = list(leaves)
         for i, static in zip(self.tensor_index, self.static_inputs, strict=True):
             self._static_leaves[i] = static
@@ -103,8 +105,12 @@ class Signature:
         self.static_args, self.static_kwargs = self.static_tree()
 
     def static_tree(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """New containers (tuples, dicts, TensorDicts) around the graph's static input tensors."""
-        return _tree.unflatten(self.spec, self._static_leaves)  # type: ignore[no-any-return]
+        """New containers (tuples, dicts, TensorDicts) around the graph's static input tensors,
+        the TensorDicts' keys in the captured call's order."""
+        tree = _tree.unflatten(self.spec, self._static_leaves)
+        if self._orders is not None:
+            tree = _tree.in_key_orders(tree, self._orders)
+        return tree  # type: ignore[no-any-return]
 
     def read(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
         """The tensor leaves of a call of the captured structure and constants, else None.

@@ -11,7 +11,7 @@ collections are registered lazily, the first time ``flatten`` meets their type.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -182,6 +182,67 @@ def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
 def unflatten(spec: optree.PyTreeSpec, leaves: Any) -> Any:
     """Rebuild a tree from its treespec and leaves (the inverse of ``flatten``)."""
     return optree.tree_unflatten(spec, leaves)
+
+
+def key_orders(tree: Any) -> list[tuple[str, ...]] | None:
+    """The keys of each TensorDict of ``tree`` in the order they were set (depth first), or
+    None where every one's are sorted.
+
+    Flattening sorts a TensorDict's keys (see ``_flatten_tensordict``), so that rebuilt
+    from its leaves it lists them in sorted order; a function that iterates over its keys
+    (``torch.cat(list(td.values()))``) would then compute another result, and a compiled one
+    recompile. ``in_key_orders`` gives a rebuilt tree the captured call's orders."""
+    orders: list[tuple[str, ...]] = []
+
+    def record(td: TensorDictBase) -> TensorDictBase:
+        orders.append(tuple(td.keys()))
+        return td
+
+    _visit(tree, record)
+    return orders if any(order != tuple(sorted(order)) for order in orders) else None
+
+
+def in_key_orders(tree: Any, orders: list[tuple[str, ...]]) -> Any:
+    """``tree`` (rebuilt by ``unflatten``) with its TensorDicts' keys in ``orders``."""
+    pending = iter(orders)
+
+    def reorder(td: TensorDictBase) -> TensorDictBase:
+        order = next(pending)
+        if order == tuple(td.keys()):
+            return td
+        return _compat.td_new_unsafe(type(td))(  # type: ignore[no-any-return]
+            source={key: _compat.td_get(td, key) for key in order},
+            batch_size=td.batch_size,
+            device=td.device,
+            names=tuple(td.names) if _compat.td_has_names(td) else None,
+        )
+
+    return _visit(tree, reorder)
+
+
+def _visit(tree: Any, on_tensordict: Callable[[TensorDictBase], TensorDictBase]) -> Any:
+    """``tree`` with ``on_tensordict`` applied to each plain TensorDict, depth first: its
+    entries (in sorted key order) before it. What changes is set into its container (a
+    tuple or list is rebuilt); ``tree`` itself is left as it is when nothing changes."""
+    if type(tree) is TensorDict:
+        for key in sorted(tree.keys()):
+            entry = _compat.td_get(tree, key)
+            if isinstance(entry, TensorDictBase | tuple | list | dict):
+                new = _visit(entry, on_tensordict)
+                if new is not entry:
+                    tree._set_str(key, new, validated=True, inplace=False)
+        return on_tensordict(tree)
+    if isinstance(tree, tuple | list):
+        items = [_visit(item, on_tensordict) for item in tree]
+        if all(new is old for new, old in zip(items, tree, strict=True)):
+            return tree
+        return type(tree)(items) if type(tree) in (tuple, list) else tree
+    if isinstance(tree, dict):
+        for key in sorted(tree, key=repr):
+            new = _visit(tree[key], on_tensordict)
+            if new is not tree[key]:
+                tree[key] = new
+    return tree
 
 
 def leaves_with_paths(tree: Any, root: str | None = None) -> list[tuple[str, Any]]:
