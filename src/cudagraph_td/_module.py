@@ -81,7 +81,8 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             ``module.out_keys`` when the module has them.
         device: The CUDA device of the graphs. By default, the device of each call's first
             CUDA tensor input (else the current one) has graphs of its own, unless the
-            function reaches parameters or optimizer state on another (the docs' Several GPUs page).
+            function reaches parameters or optimizer state on another (see the docs'
+            Several GPUs page).
         pool: A memory pool (``torch.cuda.graph_pool_handle()``, another wrapper's
             ``pool()``, or another graph's) to share with other graphs. Defaults to a pool
             of the wrapper's own, shared by its graphs (a graph captured for autograd takes
@@ -95,8 +96,8 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             ``"auto"`` for ``"cuda"`` when CUDA is available, else eager calls.
         verify: How many replays, after the capture, also run the function eagerly on
             copies of their inputs and compare the results and the inputs updated in place,
-            raising a `VerificationError` that names the
-            first leaf that differs and its likely cause (see the docs' Sharp edges page).
+            raising a ``VerificationError`` that names the first leaf that differs and its
+            likely cause (see the docs' Sharp edges page).
             A debugging aid: a verified replay synchronises the host and costs an eager
             call more. It cannot check a training step, nor a function that draws random
             numbers. Counted per graph. Defaults to 0.
@@ -109,7 +110,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         buckets: The batch sizes of ``shapes="buckets"``; the first capture captures them
             all, largest first. Defaults to powers of two, each captured on first sight.
         max_graphs: The most graphs captured on first sight per mode; past it, a
-            `GraphLimitWarning`, then ``overflow``.
+            ``GraphLimitWarning``, then ``overflow``.
         batch_dims: The number of leading dims of every input that ``"buckets"`` pads.
         overflow: What a call gets past ``max_graphs`` or above the largest bucket:
             ``"eager"`` (the function, run eagerly) or ``"raise"`` (a ``RuntimeError``).
@@ -219,9 +220,8 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         self._hits: dict[GraphsKey, list[int]] = {}
         # The last call's mode, its replay path and its count (see `__call__`): none yet.
         self._last: tuple[Any, ...] = (None, None, None, None, not_captured, [0])
-        # The last call's device, and its replay order (see `_sharing.ReplayOrder`).
-        self._where: torch.device | None = None
-        self._order: _sharing.ReplayOrder | None = None
+        self._where: torch.device | None = None  # the last call's device
+        self._order: _sharing.ReplayOrder | None = None  # its replay order (see `_sharing`)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # The replay path. While the mode is the last call's (compared part by part, by
