@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import pydoc
+import re
+
+import pytest
+
+import cudagraph_td
 
 PACKAGE = pathlib.Path(__file__).parent.parent / "src" / "cudagraph_td"
 
@@ -46,3 +52,16 @@ def test_no_import_cycle() -> None:
 
     cycles = sorted(module for module in graph if reaches(module, module, set()))
     assert cycles == []
+
+
+@pytest.mark.parametrize("name", sorted(set(cudagraph_td.__all__) - {"__version__"}))
+def test_public_docstrings_read_as_plain_text(name: str) -> None:
+    # `help()` shows docstrings as they are: no Sphinx roles, no Markdown links (the docs'
+    # pages are named in words), and examples in an `Examples:` section, which the API page
+    # renders as code blocks.
+    text = pydoc.render_doc(getattr(cudagraph_td, name), renderer=pydoc.plaintext)
+    assert (
+        re.findall(r":(?:class|func|meth|attr|data|mod|exc):`|\]\[[\w.-]*\]|\]\([\w.#-]+\)", text)
+        == []
+    )
+    assert "Example:\n" not in text
