@@ -43,12 +43,6 @@ DDP_WARMUP = 12
 """The least ``warmup`` for a step that calls a DDP module: 11 eager iterations, a capture."""
 
 
-def ddp_paths(fn: Any) -> list[str]:
-    """The paths of the DistributedDataParallel modules that ``fn`` reaches."""
-    modules = _training.find_state(fn)[1]
-    return [path for path, m in modules.items() if isinstance(m, DistributedDataParallel)]
-
-
 def checked(
     name: str, fn: Any, warmup: int, mode: str, options: ShapeOptions
 ) -> tuple[str, ShapeOptions]:
