@@ -18,12 +18,11 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from . import _errors, _sharing, _tree
+from . import _errors, _recording, _sharing, _tree
 from ._compat import (
     clear_cublas_workspaces,
     distributions_validate_args,
     end_allocate_to_pool,
-    foreach_copy_,
 )
 
 T = TypeVar("T")
@@ -331,16 +330,16 @@ def _no_autocast_cache() -> Iterator[None]:
 
 
 class EmulatedBackend:
-    """A CPU stand-in for CUDA graphs with the same memory contract.
+    """A CPU stand-in for CUDA graphs with their contract (see `_recording`).
 
-    ``capture`` records the function without running it, and allocates static outputs shaped
-    as an eager result; each ``replay`` runs the function on the same static inputs and
-    copies its results into those same tensors, as a CUDA graph overwrites its output
-    memory. Like a CUDA graph, a replay sees the current contents of the static inputs and of
-    every tensor the function reads, and repeats the function's in-place updates.
+    ``capture`` records the function's ATen operations (undoing their effects, as a CUDA
+    capture has none), and returns its outputs as the static outputs; each ``replay`` runs
+    the recorded operations again on the same tensors, without the function's Python code:
+    Python values are frozen at the capture, random operations draw new numbers, in-place
+    updates happen again, outputs are overwritten.
     """
 
-    reruns_python = True
+    reruns_python = False
 
     def __init__(self, device: torch.device | None = None):
         self.device = torch.device("cpu") if device is None else device
@@ -352,31 +351,7 @@ class EmulatedBackend:
         return self
 
     def capture(self, fn: Callable[[], T], like: T) -> tuple[Graph, T]:
-        leaves, spec = _tree.flatten(like)
-        with torch.no_grad():
-            leaves = [
-                torch.empty_like(leaf) if isinstance(leaf, torch.Tensor) else leaf
-                for leaf in leaves
-            ]
-        static: T = _tree.unflatten(spec, leaves)
-        return _EmulatedGraph(fn, static), static
-
-
-class _EmulatedGraph:
-    def __init__(self, fn: Callable[[], Any], static: Any):
-        self._fn = fn
-        self._grad_enabled = torch.is_grad_enabled()
-        leaves, self._spec = _tree.flatten(static)
-        self._static = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        self._meta = [(t.shape, t.dtype) for t in self._static]
-
-    def replay(self) -> None:
-        with torch.set_grad_enabled(self._grad_enabled):
-            out = self._fn()
-        leaves, spec = _tree.flatten(out)
-        new = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        if spec != self._spec or [(t.shape, t.dtype) for t in new] != self._meta:
-            raise _errors.emulated_branch_changed()
-        if new:
-            with torch.no_grad():
-                foreach_copy_(self._static, [t.detach() for t in new])
+        # As on CUDA: autocast's cache would keep a capture-time cast of each parameter,
+        # which the recording would then not recompute (see `_no_autocast_cache`).
+        with _no_autocast_cache():
+            return _recording.record(fn)

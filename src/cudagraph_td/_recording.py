@@ -1,0 +1,116 @@
+"""The CPU emulation's graphs: ATen operations recorded once, replayed without Python.
+
+A CUDA capture records kernels; its replays run them again on the same memory, never the
+function's Python code. The emulation does the same one level up: the capture runs the
+function once under a ``TorchDispatchMode`` that records every ATen operation with its
+tensors, and undoes the operation's effects on tensors that existed before (parameters,
+optimizer state, inputs), as a CUDA capture has none. A replay runs the recorded operations
+again, below autograd: in-place ones update the same tensors, and each other one's new
+result is copied into the tensor it returned at the capture, which later operations read.
+
+Operations that a CUDA capture refuses raise at the emulated capture, with the phrase of
+CUDA's error (so that the capture failure names the same cause): host reads of tensor values
+(``.item()``, ``bool()``, ``.tolist()``, printing), data-dependent output shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_HOST_READ = "operation not permitted when stream is capturing (the emulation of"
+_aten = torch.ops.aten
+# ATen operations whose output shape depends on tensor values, read by the host.
+_DATA_DEPENDENT = {
+    _aten.nonzero.default,
+    _aten.masked_select.default,
+    _aten.unique_dim.default,
+    _aten._unique2.default,
+    _aten.unique_consecutive.default,
+}
+
+
+class Recorder(TorchDispatchMode):
+    """Records the ATen operations of one call; undoes their writes to older tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]] = []
+        self._made: set[int] = set()  # the tensors that the recorded operations returned
+        self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _aten._local_scalar_dense.default:
+            raise RuntimeError(f"{_HOST_READ} a host read of a tensor's value, `.item()`)")
+        if func in _DATA_DEPENDENT:
+            raise RuntimeError(f"{_HOST_READ} an output shape that depends on values)")
+        for written in _written(func, args, kwargs):
+            if id(written) not in self._made and id(written) not in self._saved:
+                self._saved[id(written)] = (written, written.detach().clone())
+        out = func(*args, **kwargs)
+        for t in _tensors(out):
+            self._made.add(id(t))
+        self.ops.append((func, args, kwargs, out))
+        return out
+
+    def undo(self) -> None:
+        """Give the tensors that existed before the call their values back."""
+        with torch.no_grad(), torch._C._AutoDispatchBelowAutograd():
+            for tensor, before in self._saved.values():
+                tensor.copy_(before)
+        self._saved.clear()
+
+
+class RecordedGraph:
+    """The recorded operations of a call, replayed on the same tensors."""
+
+    def __init__(self, ops: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]]):
+        self._ops = ops
+
+    def replay(self) -> None:
+        with torch.no_grad(), torch._C._AutoDispatchBelowAutograd():
+            for func, args, kwargs, out in self._ops:
+                new = func(*args, **kwargs)
+                for old, fresh in zip(_tensors(out), _tensors(new), strict=True):
+                    if old is not fresh and not _same_memory(old, fresh):
+                        old.copy_(fresh)
+
+
+def record(fn: Callable[[], Any]) -> tuple[RecordedGraph, Any]:
+    """Run ``fn`` once, recording it; its effects on older tensors are undone."""
+    recorder = Recorder()
+    try:
+        with recorder:
+            out = fn()
+    finally:
+        recorder.undo()
+    return RecordedGraph(recorder.ops), out
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, tuple | list):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors that ``func`` writes into (its mutable arguments)."""
+    written: list[torch.Tensor] = []
+    for i, argument in enumerate(func._schema.arguments):
+        alias = argument.alias_info
+        if alias is None or not alias.is_write:
+            continue
+        value = kwargs.get(argument.name) if argument.kwarg_only or i >= len(args) else args[i]
+        written.extend(_tensors(value))
+    return written
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``b`` is ``a``'s memory (an in-place or view operation returned it again)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
