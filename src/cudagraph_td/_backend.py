@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from . import _errors, _recording, _sharing, _tree
+from . import _compat, _errors, _recording, _sharing, _tree
 from ._compat import (
     clear_cublas_workspaces,
     distributions_validate_args,
@@ -86,6 +86,8 @@ def backend_factory(
         )
         if isinstance(backend, CudaBackend):
             backend.agreement = agreement
+        elif isinstance(backend, EmulatedBackend) and agreement is not None:
+            backend.reruns_python = True  # a DDP step (see `EmulatedBackend`)
         return backend
 
     return make
@@ -341,11 +343,15 @@ class EmulatedBackend:
 
     reruns_python = False
 
-    def __init__(self, device: torch.device | None = None):
+    def __init__(self, device: torch.device | None = None, *, rerun: bool = False):
         self.device = torch.device("cpu") if device is None else device
+        # A step whose collectives torch runs outside the dispatcher (DDP's gradient
+        # all-reduce) cannot be recorded: its replays run the function again instead.
+        self.reruns_python = rerun
 
     def warmup(self, fn: Callable[[], T]) -> T:
-        return fn()
+        with _compat.capturable_on_cpu():  # as CUDA graphs need (see `_compat`)
+            return fn()
 
     def for_autograd(self) -> EmulatedBackend:
         return self
@@ -353,5 +359,34 @@ class EmulatedBackend:
     def capture(self, fn: Callable[[], T], like: T) -> tuple[Graph, T]:
         # As on CUDA: autocast's cache would keep a capture-time cast of each parameter,
         # which the recording would then not recompute (see `_no_autocast_cache`).
-        with _no_autocast_cache():
+        if self.reruns_python:
+            leaves, spec = _tree.flatten(like)
+            with torch.no_grad():
+                leaves = [
+                    torch.empty_like(leaf) if isinstance(leaf, torch.Tensor) else leaf
+                    for leaf in leaves
+                ]
+            static: T = _tree.unflatten(spec, leaves)
+            return _EmulatedGraph(fn, static), static
+        with _no_autocast_cache(), _compat.capturable_on_cpu():
             return _recording.record(fn)
+
+
+class _EmulatedGraph:
+    def __init__(self, fn: Callable[[], Any], static: Any):
+        self._fn = fn
+        self._grad_enabled = torch.is_grad_enabled()
+        leaves, self._spec = _tree.flatten(static)
+        self._static = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        self._meta = [(t.shape, t.dtype) for t in self._static]
+
+    def replay(self) -> None:
+        with torch.set_grad_enabled(self._grad_enabled), _compat.capturable_on_cpu():
+            out = self._fn()
+        leaves, spec = _tree.flatten(out)
+        new = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        if spec != self._spec or [(t.shape, t.dtype) for t in new] != self._meta:
+            raise _errors.emulated_branch_changed()
+        if new:
+            with torch.no_grad():
+                _compat.foreach_copy_(self._static, [t.detach() for t in new])

@@ -7,8 +7,10 @@ library bypasses, grows code). Checked with torch 2.11 and 2.13, tensordict 0.14
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -117,3 +119,50 @@ def module_hooks(module: torch.nn.Module) -> list[str]:
     return [
         kind for kind in _HOOK_KINDS if getattr(module, f"_{kind.replace(' ', '_')}_hooks", None)
     ]
+
+
+@contextlib.contextmanager
+def capturable_on_cpu() -> Iterator[None]:
+    """Let optimizers built with ``capturable=True`` step on CPU parameters (experimental).
+
+    A captured training step needs a capturable optimizer, which torch refuses for CPU
+    parameters. The CPU emulation (``backend="emulate"``) lifts that refusal inside its own
+    calls; code that runs the same optimizer eagerly on the CPU (an eager twin in a test)
+    runs it inside this context.
+
+    Examples:
+        >>> import torch
+        >>> from cudagraph_td import capturable_on_cpu
+        >>> w = torch.nn.Parameter(torch.ones(3))
+        >>> opt = torch.optim.Adam([w], lr=torch.tensor(0.1), capturable=True)
+        >>> w.grad = torch.ones(3)
+        >>> with capturable_on_cpu():
+        ...     opt.step()
+        >>> w.detach()
+        tensor([0.9000, 0.9000, 0.9000])
+
+    torch refuses ``capturable=True`` for CPU parameters through
+    ``torch.optim.optimizer._get_capturable_supported_devices``, which each optimizer module
+    imports by name (checked with torch 2.11 and 2.13); its capturable code paths are tensor
+    operations that run on the CPU as they are.
+    """
+    import torch.optim.optimizer as optimizer_module
+
+    original = optimizer_module._get_capturable_supported_devices
+
+    def with_cpu(*args: Any, **kwargs: Any) -> list[str]:
+        return [*original(*args, **kwargs), "cpu"]
+
+    modules = [
+        m
+        for name, m in list(sys.modules.items())
+        if name.startswith("torch.optim")
+        and getattr(m, "_get_capturable_supported_devices", None) is original
+    ]
+    for m in modules:
+        m._get_capturable_supported_devices = with_cpu  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for m in modules:
+            m._get_capturable_supported_devices = original  # type: ignore[attr-defined]
