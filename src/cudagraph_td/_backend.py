@@ -368,8 +368,15 @@ class EmulatedBackend:
                 ]
             static: T = _tree.unflatten(spec, leaves)
             return _EmulatedGraph(fn, static), static
-        with _no_autocast_cache(), _compat.capturable_on_cpu():
-            return _recording.record(fn)
+        # As on CUDA: torch.distributions' argument checks read values on the host (the
+        # eager warm-up and capturing calls checked them).
+        validate_args = distributions_validate_args()
+        torch.distributions.Distribution.set_default_validate_args(False)
+        try:
+            with _no_autocast_cache(), _compat.capturable_on_cpu():
+                return _recording.record(fn)
+        finally:
+            torch.distributions.Distribution.set_default_validate_args(validate_args)
 
 
 class _EmulatedGraph:

@@ -99,9 +99,16 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+# Batch norms update their running statistics (arguments 3 and 4) in training (argument 5)
+# without their schema saying so.
+_BATCH_NORMS = {_aten.native_batch_norm.default, _aten.cudnn_batch_norm.default}
+
+
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors that ``func`` writes into (its mutable arguments)."""
     written: list[torch.Tensor] = []
+    if func in _BATCH_NORMS and len(args) > 5 and args[5]:
+        written.extend(_tensors([args[3], args[4]]))
     for i, argument in enumerate(func._schema.arguments):
         alias = argument.alias_info
         if alias is None or not alias.is_write:
