@@ -70,15 +70,26 @@ def test_reset_after_a_failed_capture(backend: Backend) -> None:
     torch.testing.assert_close(graphed(x), x * 2 + 1)
 
 
-def test_emulation_reports_data_dependent_branches() -> None:
-    from cudagraph_td import CudaGraphModule
+FLAG = True
 
-    graphed = CudaGraphModule(
-        lambda x: x * 2 if x.sum() > 0 else (x, x), warmup=1, backend="emulate"
-    )
-    graphed(torch.ones(2))
-    with pytest.raises(RuntimeError, match="control flow depends on its inputs' values"):
-        graphed(-torch.ones(2))
+
+def test_python_values_are_frozen_at_the_capture(backend: Backend) -> None:
+    # A replay runs no Python, on CUDA as on the emulation: a global read at the capture
+    # keeps its captured value (see the sharp edges).
+    global FLAG
+    FLAG = True
+    graphed = backend.wrap(lambda x: x * 2 if FLAG else x * 3, warmup=1)
+    graphed(backend.randn(2))
+    FLAG = False
+    x = backend.randn(2)
+    torch.testing.assert_close(graphed(x), x * 2)
+    FLAG = True
+
+
+def test_a_branch_on_a_tensor_value_fails_at_the_capture(backend: Backend) -> None:
+    graphed = backend.wrap(lambda x: x * 2 if x.sum() > 0 else x * 3, warmup=1)
+    with pytest.raises(RuntimeError, match="synchronises the host"):
+        graphed(backend.randn(2).abs())
 
 
 # What a CUDA capture cannot record: each case raises inside the capture.
@@ -94,28 +105,35 @@ HOST_SYNCS: dict[str, Callable[[torch.Tensor], Any]] = {
 }
 
 
+# What the emulation cannot see on the CPU: a CUDA synchronisation, a copy to the CPU (a
+# no-op there), a CPU tensor meeting a device one (every tensor is on the CPU).
+CUDA_ONLY = {"synchronize", "copy-to-cpu", "cpu-tensor-to-cuda"}
+
+
 @pytest.mark.parametrize("case", list(HOST_SYNCS))
-def test_capture_failure_on_cuda_is_explained_and_leaves_a_clean_context(
-    cuda: Backend, case: str
+def test_capture_failure_is_explained_and_leaves_a_clean_context(
+    backend: Backend, case: str
 ) -> None:
+    if backend.name == "emulate" and case in CUDA_ONLY:
+        pytest.skip("the CPU emulation cannot see it (see its docs)")
     fn = Flaky(HOST_SYNCS[case])
-    graphed = cuda.wrap(fn, warmup=2)
-    graphed(cuda.randn(3))  # the eager warm-up runs the host sync without trouble
+    graphed = backend.wrap(fn, warmup=2)
+    graphed(backend.randn(3))  # the eager warm-up runs the host sync without trouble
     with pytest.raises(
         RuntimeError, match=re.escape("CudaGraphModule could not capture the graph")
     ) as info:
-        graphed(cuda.randn(3))
+        graphed(backend.randn(3))
     message = str(info.value)
     assert info.value.__cause__ is not None
     assert "The CUDA context was left out of capture mode" in message
     if case != "synchronize":
         assert "synchronises the host" in message or "broke the capture" in message, message
-    _assert_not_capturing(cuda)
-    # Other CUDA work still runs, and the wrapper captures once the cause is removed.
-    torch.testing.assert_close(torch.ones(2, device="cuda").sum().cpu(), torch.tensor(2.0))
-    fn.broken = False
+    _assert_not_capturing(backend)
+    if backend.name == "cuda":  # other CUDA work still runs
+        torch.testing.assert_close(torch.ones(2, device="cuda").sum().cpu(), torch.tensor(2.0))
+    fn.broken = False  # the wrapper captures once the cause is removed
     for _ in range(3):
-        x = cuda.randn(3)
+        x = backend.randn(3)
         torch.testing.assert_close(graphed(x), x * 2 + 1)
     assert graphed.is_captured
 

@@ -15,7 +15,9 @@ CUDA's error (so that the capture failure names the same cause): host reads of t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -48,6 +50,11 @@ class Recorder(TorchDispatchMode):
             raise RuntimeError(f"{_HOST_READ} a host read of a tensor's value, `.item()`)")
         if func in _DATA_DEPENDENT:
             raise RuntimeError(f"{_HOST_READ} an output shape that depends on values)")
+        if func is _aten.lift_fresh.default:  # `torch.tensor([...])`: copied to the GPU there
+            raise RuntimeError(
+                "Cannot copy between CPU and CUDA tensors during CUDA graph capture (the "
+                "emulation of a tensor made from Python data, `torch.tensor([...])`)"
+            )
         for written in _written(func, args, kwargs):
             if id(written) not in self._made and id(written) not in self._saved:
                 self._saved[id(written)] = (written, written.detach().clone())
@@ -84,11 +91,39 @@ def record(fn: Callable[[], Any]) -> tuple[RecordedGraph, Any]:
     """Run ``fn`` once, recording it; its effects on older tensors are undone."""
     recorder = Recorder()
     try:
-        with recorder:
+        with recorder, _host_reads_refused():
             out = fn()
     finally:
         recorder.undo()
     return RecordedGraph(recorder.ops), out
+
+
+# Host reads that torch serves without an ATen operation, which a dispatch mode cannot see.
+_HOST_METHODS = ("tolist", "numpy", "__repr__", "__str__", "__format__", "__array__")
+
+
+@contextlib.contextmanager
+def _host_reads_refused() -> Iterator[None]:
+    """Make this thread's host reads of tensors raise while a call is recorded (other
+    threads are left alone)."""
+    thread = threading.get_ident()
+    originals = {name: getattr(torch.Tensor, name) for name in _HOST_METHODS}
+
+    def refusing(name: str, original: Any) -> Any:
+        def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == thread:
+                raise RuntimeError(f"{_HOST_READ} a host read of a tensor, `{name}`)")
+            return original(self, *args, **kwargs)
+
+        return method
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, refusing(name, original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
