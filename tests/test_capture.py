@@ -86,6 +86,15 @@ def test_python_values_are_frozen_at_the_capture(backend: Backend) -> None:
     FLAG = True
 
 
+def test_random_operations_draw_new_numbers_at_each_replay(backend: Backend) -> None:
+    graphed = backend.wrap(lambda x: x + torch.randn_like(x), warmup=1)
+    x = backend.randn(64)
+    draws = [graphed(x) - x for _ in range(4)]  # the capture's, then three replays'
+    for i in range(1, 4):
+        assert not torch.equal(draws[i], draws[i - 1])
+        assert draws[i].std() > 0.5  # standard normal draws, not a constant
+
+
 def test_a_branch_on_a_tensor_value_fails_at_the_capture(backend: Backend) -> None:
     graphed = backend.wrap(lambda x: x * 2 if x.sum() > 0 else x * 3, warmup=1)
     with pytest.raises(RuntimeError, match="synchronises the host"):
@@ -99,6 +108,7 @@ HOST_SYNCS: dict[str, Callable[[torch.Tensor], Any]] = {
     "tolist": lambda y: y.tolist(),
     "synchronize": lambda y: torch.cuda.synchronize(),
     "nonzero": lambda y: y.nonzero(),
+    "boolean-mask": lambda y: y[y > 0],
     "python-data-to-cuda": lambda y: torch.tensor([1.0, 2.0], device=y.device),
     "copy-to-cpu": lambda y: y.cpu(),
     "cpu-tensor-to-cuda": lambda y: y + torch.ones(3).to(y.device),

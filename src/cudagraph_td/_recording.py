@@ -48,7 +48,7 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is _aten._local_scalar_dense.default:
             raise RuntimeError(f"{_HOST_READ} a host read of a tensor's value, `.item()`)")
-        if func in _DATA_DEPENDENT:
+        if func in _DATA_DEPENDENT or (func is _aten.index.Tensor and _boolean_index(args)):
             raise RuntimeError(f"{_HOST_READ} an output shape that depends on values)")
         if func is _aten.lift_fresh.default:  # `torch.tensor([...])`: copied to the GPU there
             raise RuntimeError(
@@ -151,6 +151,14 @@ def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[t
         value = kwargs.get(argument.name) if argument.kwarg_only or i >= len(args) else args[i]
         written.extend(_tensors(value))
     return written
+
+
+def _boolean_index(args: tuple[Any, ...]) -> bool:
+    """Whether an ``index`` operation indexes with a boolean mask (its shape is data's)."""
+    indices = args[1] if len(args) > 1 else ()
+    return any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
+    )
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
