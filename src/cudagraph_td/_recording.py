@@ -119,11 +119,27 @@ def _host_reads_refused() -> Iterator[None]:
 
     for name, original in originals.items():
         setattr(torch.Tensor, name, refusing(name, original))
+    # Code that skips its host checks during a CUDA capture (torchrl's distributions, torch's
+    # optimizers) asks `torch.cuda`: on the recording thread, a capture is in progress.
+    cuda_queries = {
+        name: getattr(torch.cuda, name) for name in ("is_available", "is_current_stream_capturing")
+    }
+
+    def capturing(original: Any) -> Any:
+        def query(*args: Any, **kwargs: Any) -> Any:
+            return threading.get_ident() == thread or original(*args, **kwargs)
+
+        return query
+
+    for name, original in cuda_queries.items():
+        setattr(torch.cuda, name, capturing(original))
     try:
         yield
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
+        for name, original in cuda_queries.items():
+            setattr(torch.cuda, name, original)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
