@@ -41,8 +41,8 @@ class Recorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]] = []
-        self._made: set[int] = set()  # the tensors that the recorded operations returned
-        self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._made: set[int] = set()  # the storages that the recorded operations allocated
+        self._saved: dict[int, tuple[Any, Any]] = {}  # storage address: (storage, its copy)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -55,20 +55,27 @@ class Recorder(TorchDispatchMode):
                 "Cannot copy between CPU and CUDA tensors during CUDA graph capture (the "
                 "emulation of a tensor made from Python data, `torch.tensor([...])`)"
             )
+        # Writes into memory that existed before the call (parameters, optimizer state, and
+        # views of them, such as `.data`) are undone: their storage is saved first.
         for written in _written(func, args, kwargs):
-            if id(written) not in self._made and id(written) not in self._saved:
-                self._saved[id(written)] = (written, written.detach().clone())
+            storage = written.untyped_storage()
+            key = storage.data_ptr()
+            if key not in self._made and key not in self._saved:
+                self._saved[key] = (storage, storage.clone())
         out = func(*args, **kwargs)
-        for t in _tensors(out):
-            self._made.add(id(t))
+        inputs = {t.untyped_storage().data_ptr() for t in _tensors([*args, *kwargs.values()])}
+        for t in _tensors(out):  # memory the operation allocated (not a view of its inputs)
+            key = t.untyped_storage().data_ptr()
+            if key not in inputs:
+                self._made.add(key)
         self.ops.append((func, args, kwargs, out))
         return out
 
     def undo(self) -> None:
         """Give the tensors that existed before the call their values back."""
         with torch.no_grad(), torch._C._AutoDispatchBelowAutograd():
-            for tensor, before in self._saved.values():
-                tensor.copy_(before)
+            for storage, before in self._saved.values():
+                storage.copy_(before)
         self._saved.clear()
 
 
