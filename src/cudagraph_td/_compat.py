@@ -17,6 +17,21 @@ import torch
 from tensordict import TensorDict
 from tensordict.nn import probabilistic
 
+# The CPU emulation's recorder (`_recording`), checked with torch 2.11 and 2.13:
+# `TorchDispatchMode`, the base class of a mode that sees every ATen operation (with its
+# tensors) below autograd; `_AutoDispatchBelowAutograd`, which runs operations below autograd
+# (a replay of recorded operations, as a CUDA graph's replay runs kernels); an operation's
+# schema (`OpOverload._schema`), whose arguments' alias information marks the ones it writes.
+from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
+
+below_autograd: Callable[[], Any] = torch._C._AutoDispatchBelowAutograd
+
+
+def op_arguments(func: Any) -> Any:
+    """The schema arguments of an ATen operation (``OpOverload._schema.arguments``)."""
+    return func._schema.arguments
+
+
 # `torch._foreach_copy_(dst, src)`: one multi-tensor copy, issued faster than a `copy_` per
 # tensor, even for one tensor. The replay's input copy and the packed outputs use it.
 foreach_copy_ = torch._foreach_copy_

@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._compat import TorchDispatchMode, below_autograd, op_arguments
 
 _HOST_READ = "operation not permitted when stream is capturing (the emulation of"
 _aten = torch.ops.aten
@@ -73,7 +74,7 @@ class Recorder(TorchDispatchMode):
 
     def undo(self) -> None:
         """Give the tensors that existed before the call their values back."""
-        with torch.no_grad(), torch._C._AutoDispatchBelowAutograd():
+        with torch.no_grad(), below_autograd():
             for storage, before in self._saved.values():
                 storage.copy_(before)
         self._saved.clear()
@@ -86,7 +87,7 @@ class RecordedGraph:
         self._ops = ops
 
     def replay(self) -> None:
-        with torch.no_grad(), torch._C._AutoDispatchBelowAutograd():
+        with torch.no_grad(), below_autograd():
             for func, args, kwargs, out in self._ops:
                 new = func(*args, **kwargs)
                 for old, fresh in zip(_tensors(out), _tensors(new), strict=True):
@@ -167,7 +168,7 @@ def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[t
     written: list[torch.Tensor] = []
     if func in _BATCH_NORMS and len(args) > 5 and args[5]:
         written.extend(_tensors([args[3], args[4]]))
-    for i, argument in enumerate(func._schema.arguments):
+    for i, argument in enumerate(op_arguments(func)):
         alias = argument.alias_info
         if alias is None or not alias.is_write:
             continue
