@@ -95,6 +95,28 @@ def test_random_operations_draw_new_numbers_at_each_replay(backend: Backend) -> 
         assert draws[i].std() > 0.5  # standard normal draws, not a constant
 
 
+def test_cpu_values_made_in_the_function_are_frozen_at_the_capture(backend: Backend) -> None:
+    # CPU tensors are numbers to a CUDA kernel: their values at the capture are recorded,
+    # not the CPU work that made them (the emulation leaves it out too).
+    graphed = backend.wrap(lambda x: x * torch.tensor(2.0) + torch.rand(()), warmup=1)
+    x = backend.randn(8)
+    graphed(x)  # the capturing call: its result is an eager run's, the capture draws again
+    noise = graphed(x) - x * 2  # the capture's draw, replayed
+    for _ in range(3):
+        x = backend.randn(8)
+        torch.testing.assert_close(graphed(x), x * 2 + noise)
+
+
+def test_a_cpu_tensor_made_in_the_function_fails_at_the_capture(backend: Backend) -> None:
+    # `torch.ones(3)` is on the CPU in a GPU run: CUDA refuses to add it to a device tensor
+    # (in the capturing call's eager run), the emulation at its recording.
+    graphed = backend.wrap(lambda x: x + torch.ones(3), warmup=1)
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device") as info:
+        graphed(backend.randn(3))
+    assert "make it on their device (`torch.ones(3, device=x.device)`)" in str(info.value)
+    _assert_not_capturing(backend)
+
+
 def test_a_branch_on_a_tensor_value_fails_at_the_capture(backend: Backend) -> None:
     graphed = backend.wrap(lambda x: x * 2 if x.sum() > 0 else x * 3, warmup=1)
     with pytest.raises(RuntimeError, match="synchronises the host"):
@@ -106,26 +128,22 @@ HOST_SYNCS: dict[str, Callable[[torch.Tensor], Any]] = {
     "item": lambda y: y.sum().item(),
     "print": lambda y: print(y),
     "tolist": lambda y: y.tolist(),
-    "synchronize": lambda y: torch.cuda.synchronize(),
+    # As device-agnostic code does it (a capture says CUDA is available, on the emulation too).
+    "synchronize": lambda y: torch.cuda.is_available() and torch.cuda.synchronize(),
     "nonzero": lambda y: y.nonzero(),
     "boolean-mask": lambda y: y[y > 0],
     "python-data-to-cuda": lambda y: torch.tensor([1.0, 2.0], device=y.device),
+    "python-scalar-to-cuda": lambda y: torch.tensor(2.0, device=y.device),
     "copy-to-cpu": lambda y: y.cpu(),
+    "copy-into-cpu-tensor": lambda y: torch.zeros(3).copy_(y),
     "cpu-tensor-to-cuda": lambda y: y + torch.ones(3).to(y.device),
 }
-
-
-# What the emulation cannot see on the CPU: a CUDA synchronisation, a copy to the CPU (a
-# no-op there), a CPU tensor meeting a device one (every tensor is on the CPU).
-CUDA_ONLY = {"synchronize", "copy-to-cpu", "cpu-tensor-to-cuda"}
 
 
 @pytest.mark.parametrize("case", list(HOST_SYNCS))
 def test_capture_failure_is_explained_and_leaves_a_clean_context(
     backend: Backend, case: str
 ) -> None:
-    if backend.name == "emulate" and case in CUDA_ONLY:
-        pytest.skip("the CPU emulation cannot see it (see its docs)")
     fn = Flaky(HOST_SYNCS[case])
     graphed = backend.wrap(fn, warmup=2)
     graphed(backend.randn(3))  # the eager warm-up runs the host sync without trouble
