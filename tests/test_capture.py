@@ -71,19 +71,22 @@ def test_reset_after_a_failed_capture(backend: Backend) -> None:
 
 
 FLAG = True
+SCALE = 2.0
 
 
 def test_python_values_are_frozen_at_the_capture(backend: Backend) -> None:
-    # A replay runs no Python, on CUDA as on the emulation: a global read at the capture
-    # keeps its captured value (see the sharp edges).
-    global FLAG
-    FLAG = True
-    graphed = backend.wrap(lambda x: x * 2 if FLAG else x * 3, warmup=1)
+    # A replay runs no Python, on CUDA as on the emulation: globals read at the capture keep
+    # their captured values (see the sharp edges).
+    global FLAG, SCALE
+    FLAG, SCALE = True, 2.0
+    graphed = backend.wrap(lambda x: x * SCALE if FLAG else x * 3, warmup=1)
     graphed(backend.randn(2))
-    FLAG = False
-    x = backend.randn(2)
-    torch.testing.assert_close(graphed(x), x * 2)
-    FLAG = True
+    FLAG, SCALE = False, 5.0
+    try:
+        x = backend.randn(2)
+        torch.testing.assert_close(graphed(x), x * 2)
+    finally:
+        FLAG, SCALE = True, 2.0
 
 
 def test_random_operations_draw_new_numbers_at_each_replay(backend: Backend) -> None:
