@@ -35,7 +35,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from cudagraph_td import CudaGraphModule, capture_stream, make_graphed_callables
+from cudagraph_td import (
+    CudaGraphModule,
+    capturable_on_cpu,
+    capture_stream,
+    make_graphed_callables,
+)
 
 BATCH, FEATURES, HIDDEN = 256, 32, 256
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -63,9 +68,10 @@ def build(kind: str, net: nn.Module, device: torch.device) -> tuple[Step, nn.Mod
     else:
         ddp = DDP(model, device_ids=ids)
     # A captured step needs a tensor learning rate and Adam's state on the GPU; every
-    # variant uses the same Adam, so that they compute the same updates.
+    # variant uses the same Adam, so that they compute the same updates (on the CPU, torch
+    # takes `capturable=True` inside `capturable_on_cpu()`, where the check runs).
     lr = torch.tensor(1e-3, device=device)
-    optimizer = torch.optim.Adam(ddp.parameters(), lr=lr, capturable=cuda)
+    optimizer = torch.optim.Adam(ddp.parameters(), lr=lr, capturable=True)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         optimizer.zero_grad()
@@ -132,8 +138,9 @@ def main() -> None:
     ]  # fmt: skip
     batches = [(x.to(device), y.to(device)) for x, y in batches]
     variants = {kind: build(kind, net, device) for kind in ("eager", "partial", "whole")}
-    for x, y in batches:
-        losses = {kind: step(x, y) for kind, (step, _) in variants.items()}
+    with capturable_on_cpu():  # the eager variants step the capturable Adam on the CPU too
+        for x, y in batches:
+            losses = {kind: step(x, y) for kind, (step, _) in variants.items()}
     check({kind: model for kind, (_, model) in variants.items()})
     if rank == 0:
         shown = ", ".join(f"{k} {v.item():.4f}" for k, v in losses.items())

@@ -26,7 +26,7 @@ from tensordict import TensorDict
 from torch import nn
 from torch.distributions import Normal
 
-from cudagraph_td import CudaGraphModule
+from cudagraph_td import CudaGraphModule, capturable_on_cpu
 
 OBS, ACT, HIDDEN = 17, 6, 64
 FRAMES, MINIBATCH, EPOCHS = 2048, 64, 2
@@ -56,7 +56,7 @@ class PPO(nn.Module):
         # `capturable=True`. For eager calls: what is fastest there, a float and foreach Adam.
         if graphed:
             lr = torch.tensor(3e-4, device=device)
-            self.opt = torch.optim.Adam(self.parameters(), lr=lr, capturable=device.type == "cuda")
+            self.opt = torch.optim.Adam(self.parameters(), lr=lr, capturable=True)
         else:
             self.opt = torch.optim.Adam(self.parameters(), lr=3e-4)
 
@@ -166,7 +166,8 @@ def main() -> None:
     device = torch.device("cuda" if cuda else "cpu")
     if not cuda:
         print("CUDA graphs need CUDA, which this machine lacks: checking on the CPU emulation.")
-    check_parity("cuda" if cuda else "emulate", device)
+    with capturable_on_cpu():  # the eager twin steps the same capturable Adam, on the CPU too
+        check_parity("cuda" if cuda else "emulate", device)
     print(
         f"graphed PPO epochs track the eager twin ({EPOCHS} epochs of {FRAMES // MINIBATCH} minibatches)"
     )

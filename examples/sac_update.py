@@ -26,7 +26,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from cudagraph_td import CudaGraphModule
+from cudagraph_td import CudaGraphModule, capturable_on_cpu
 
 OBS, ACT, HIDDEN, BATCH = 17, 6, 256, 256
 GAMMA, TAU = 0.99, 0.005
@@ -54,9 +54,9 @@ class SAC(nn.Module):
         self.to(device)
         # For a graph: tensor learning rates on the graph's device, which a scheduler (or
         # `lr.fill_()`) can change between replays, and `capturable=True`, which keeps Adam's
-        # step counts on the GPU. For eager calls: what is fastest there, float learning rates
-        # and the default (foreach) Adam.
-        capturable = graphed and device.type == "cuda"
+        # step counts on the GPU (the library's CPU emulation accepts it inside its calls).
+        # For eager calls: what is fastest there, float learning rates and foreach Adam.
+        capturable = graphed
 
         def adam(params, lr: float) -> torch.optim.Adam:
             if not graphed:
@@ -191,7 +191,8 @@ def main() -> None:
     device = torch.device("cuda" if cuda else "cpu")
     if not cuda:
         print("CUDA graphs need CUDA, which this machine lacks: checking on the CPU emulation.")
-    check_parity("cuda" if cuda else "emulate", device)
+    with capturable_on_cpu():  # the eager twin steps the same capturable Adam, on the CPU too
+        check_parity("cuda" if cuda else "emulate", device)
     print("graphed SAC updates track the eager twin (parameters, optimizer state, metrics)")
     if not cuda:
         rate = updates_per_second(

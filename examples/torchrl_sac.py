@@ -39,7 +39,7 @@ try:
 except ImportError as err:  # pragma: no cover - what a user without torchrl sees
     raise SystemExit(f"this example needs torchrl (`pip install torchrl`): {err}") from err
 
-from cudagraph_td import CudaGraphModule
+from cudagraph_td import CudaGraphModule, capturable_on_cpu
 
 HIDDEN, BATCH, FRAMES_PER_BATCH = 256, 256, 50
 VARIANTS = ("eager", "compile", "tensordict", "cudagraph_td", "cudagraph_td+compile")
@@ -77,10 +77,14 @@ def agent(device: torch.device) -> tuple[ProbabilisticActor, SACLoss, SoftUpdate
     return actor, loss, SoftUpdate(loss, tau=0.005)
 
 
-def make_update(loss: SACLoss, updater: SoftUpdate, device: torch.device) -> Callable[..., Any]:
-    cuda = device.type == "cuda"
-    lr = torch.tensor(3e-4, device=device) if cuda else 3e-4
-    optimizer = torch.optim.Adam(loss.parameters(), lr=lr, capturable=cuda)
+def make_update(
+    loss: SACLoss, updater: SoftUpdate, device: torch.device, graphed: bool = True
+) -> Callable[..., Any]:
+    # A graph needs `capturable=True` (which torch takes on the CPU inside the library's
+    # emulation only) and a tensor learning rate.
+    capturable = graphed or device.type == "cuda"
+    lr = torch.tensor(3e-4, device=device) if capturable else 3e-4
+    optimizer = torch.optim.Adam(loss.parameters(), lr=lr, capturable=capturable)
 
     def update(batch: TensorDict) -> TensorDict:
         optimizer.zero_grad(set_to_none=False)
@@ -143,7 +147,8 @@ def frames_per_second(
     (warm-ups, captures and compilations)."""
     actor, loss, updater = agent(device)
     policy = wrap(variant, actor, backend, warmup)
-    update = wrap(variant, make_update(loss, updater, device), backend, warmup)
+    graphed = variant not in ("eager", "compile")
+    update = wrap(variant, make_update(loss, updater, device, graphed), backend, warmup)
     env = PendulumEnv(device=device)
     collector = Collector(
         env,
@@ -183,7 +188,8 @@ def main() -> None:
     backend = "cuda" if cuda else "emulate"
     if not cuda:
         print("CUDA graphs need CUDA, which this machine lacks: checking on the CPU emulation.")
-    check_parity(device, backend)
+    with capturable_on_cpu():  # the eager twin steps the same capturable Adam, on the CPU too
+        check_parity(device, backend)
     print("graphed SAC updates track the eager twin (losses and parameters)")
     variants = args.variants.split(",") if cuda else ["eager"]
     unknown = set(variants) - set(VARIANTS)

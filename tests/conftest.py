@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 from tensordict import TensorDict
 
-from cudagraph_td import CudaGraphModule, make_graphed_callables
+from cudagraph_td import CudaGraphModule, _compat, make_graphed_callables
 
 HAS_CUDA = torch.cuda.is_available()
 NO_CUDA_REASON = "needs a CUDA device (CI has none; run scripts/gpu_check.sh on a GPU machine)"
@@ -54,8 +55,11 @@ class Backend:
         pytest.param("cuda", id="cuda", marks=requires_cuda),
     ]
 )
-def backend(request: pytest.FixtureRequest) -> Backend:
-    return Backend(request.param)
+def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    # One test body for both: the emulation lets capturable optimizers step on the CPU
+    # inside its wrappers' calls; the eager twins of a test need the same, outside them.
+    with _compat.capturable_on_cpu() if request.param == "emulate" else contextlib.nullcontext():
+        yield Backend(request.param)
 
 
 @pytest.fixture
@@ -76,7 +80,7 @@ def regression_step(backend: Backend, net: torch.nn.Module) -> tuple[Callable[..
     opt = torch.optim.Adam(
         net.parameters(),
         lr=torch.tensor(1e-2, device=backend.device),
-        capturable=backend.name == "cuda",
+        capturable=True,
     )
 
     def update(td: TensorDict) -> TensorDict:

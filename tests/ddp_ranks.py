@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from cudagraph_td import CudaGraphModule, capture_stream
+from cudagraph_td import CudaGraphModule, capturable_on_cpu, capture_stream
 
 CUDA = torch.cuda.is_available()
 BACKEND = "cuda" if CUDA else "emulate"
@@ -42,8 +42,8 @@ def _ddp(net: nn.Module, device: torch.device) -> DDP:
 
 
 def _step(ddp: nn.Module, device: torch.device, fail: list[bool] | None = None) -> Any:
-    lr = torch.tensor(1e-2, device=device) if CUDA else 1e-2
-    opt = torch.optim.Adam(ddp.parameters(), lr=lr, capturable=CUDA)
+    lr = torch.tensor(1e-2, device=device)
+    opt = torch.optim.Adam(ddp.parameters(), lr=lr, capturable=True)  # see `main`
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=False)  # graphs of several shapes share the gradients
@@ -159,6 +159,12 @@ CASES: dict[str, Callable[[int, torch.device], None]] = {
 
 def main(names: list[str]) -> None:
     rank, device = _setup()
+    # The eager twins step the same capturable Adam as the graphed steps, on the CPU too.
+    with capturable_on_cpu():
+        _run(names, rank, device)
+
+
+def _run(names: list[str], rank: int, device: torch.device) -> None:
     try:
         for name in names:
             CASES[name](rank, device)

@@ -52,6 +52,38 @@ def test_mlp_outputs_and_gradients_match_eager(backend: Backend) -> None:
         _assert_grads_equal(net, twin)
 
 
+class _Counting(nn.Module):
+    """A linear layer scaled by a Python number, counting its forward's Python runs."""
+
+    def __init__(self, backend: Backend):
+        super().__init__()
+        self.linear = nn.Linear(4, 3).to(backend.device)
+        self.scale = 2.0
+        self.runs = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        return self.linear(x) * self.scale
+
+
+def test_graphed_callables_replay_forward_and_backward_without_python(backend: Backend) -> None:
+    net = _Counting(backend)
+    twin = copy.deepcopy(net)
+    graphed = backend.graph_callables(net, (backend.randn(8, 4),))
+    runs = net.runs  # the warm-ups' and the capture's
+    net.scale = 3.0  # frozen at the capture, on CUDA as on the emulation
+    for _ in range(3):
+        x = backend.randn(8, 4)
+        for m in (net, twin):
+            m.zero_grad(set_to_none=True)
+        out, expected = graphed(x), twin(x)
+        torch.testing.assert_close(out, expected)
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+        _assert_grads_equal(net, twin)
+    assert net.runs == runs
+
+
 def test_gradients_accumulate_as_in_eager(backend: Backend) -> None:
     # torch's own returns its static gradient buffers (pytorch#181723): two backward passes
     # then accumulate into aliased memory. Ours are fresh.

@@ -70,15 +70,60 @@ def test_reset_after_a_failed_capture(backend: Backend) -> None:
     torch.testing.assert_close(graphed(x), x * 2 + 1)
 
 
-def test_emulation_reports_data_dependent_branches() -> None:
-    from cudagraph_td import CudaGraphModule
+FLAG = True
+SCALE = 2.0
 
-    graphed = CudaGraphModule(
-        lambda x: x * 2 if x.sum() > 0 else (x, x), warmup=1, backend="emulate"
-    )
-    graphed(torch.ones(2))
-    with pytest.raises(RuntimeError, match="control flow depends on its inputs' values"):
-        graphed(-torch.ones(2))
+
+def test_python_values_are_frozen_at_the_capture(backend: Backend) -> None:
+    # A replay runs no Python, on CUDA as on the emulation: globals read at the capture keep
+    # their captured values (see the sharp edges).
+    global FLAG, SCALE
+    FLAG, SCALE = True, 2.0
+    graphed = backend.wrap(lambda x: x * SCALE if FLAG else x * 3, warmup=1)
+    graphed(backend.randn(2))
+    FLAG, SCALE = False, 5.0
+    try:
+        x = backend.randn(2)
+        torch.testing.assert_close(graphed(x), x * 2)
+    finally:
+        FLAG, SCALE = True, 2.0
+
+
+def test_random_operations_draw_new_numbers_at_each_replay(backend: Backend) -> None:
+    graphed = backend.wrap(lambda x: x + torch.randn_like(x), warmup=1)
+    x = backend.randn(64)
+    draws = [graphed(x) - x for _ in range(4)]  # the capture's, then three replays'
+    for i in range(1, 4):
+        assert not torch.equal(draws[i], draws[i - 1])
+        assert draws[i].std() > 0.5  # standard normal draws, not a constant
+
+
+def test_cpu_values_made_in_the_function_are_frozen_at_the_capture(backend: Backend) -> None:
+    # CPU tensors are numbers to a CUDA kernel: their values at the capture are recorded,
+    # not the CPU work that made them (the emulation leaves it out too).
+    graphed = backend.wrap(lambda x: x * torch.tensor(2.0) + torch.rand(()), warmup=1)
+    x = backend.randn(8)
+    graphed(x)  # the capturing call: its result is an eager run's, the capture draws again
+    noise = graphed(x) - x * 2  # the capture's draw, replayed
+    for _ in range(3):
+        x = backend.randn(8)
+        torch.testing.assert_close(graphed(x), x * 2 + noise)
+
+
+def test_a_cpu_tensor_made_in_the_function_fails_at_the_capture(backend: Backend) -> None:
+    # `torch.ones(3)` is on the CPU in a GPU run: CUDA refuses to add it to a device tensor
+    # (in the capturing call's eager run), the emulation at its recording.
+    graphed = backend.wrap(lambda x: x + torch.ones(3), warmup=1)
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device") as info:
+        graphed(backend.randn(3))
+    assert "make it on their device (`torch.ones(3, device=x.device)`)" in str(info.value)
+    _assert_not_capturing(backend)
+
+
+def test_a_branch_on_a_tensor_value_fails_at_the_capture(backend: Backend) -> None:
+    graphed = backend.wrap(lambda x: x * 2 if x.sum() > 0 else x * 3, warmup=1)
+    with pytest.raises(RuntimeError, match="synchronises the host"):
+        graphed(backend.randn(2).abs())
 
 
 # What a CUDA capture cannot record: each case raises inside the capture.
@@ -86,36 +131,40 @@ HOST_SYNCS: dict[str, Callable[[torch.Tensor], Any]] = {
     "item": lambda y: y.sum().item(),
     "print": lambda y: print(y),
     "tolist": lambda y: y.tolist(),
-    "synchronize": lambda y: torch.cuda.synchronize(),
+    # As device-agnostic code does it (a capture says CUDA is available, on the emulation too).
+    "synchronize": lambda y: torch.cuda.is_available() and torch.cuda.synchronize(),
     "nonzero": lambda y: y.nonzero(),
+    "boolean-mask": lambda y: y[y > 0],
     "python-data-to-cuda": lambda y: torch.tensor([1.0, 2.0], device=y.device),
+    "python-scalar-to-cuda": lambda y: torch.tensor(2.0, device=y.device),
     "copy-to-cpu": lambda y: y.cpu(),
+    "copy-into-cpu-tensor": lambda y: torch.zeros(3).copy_(y),
     "cpu-tensor-to-cuda": lambda y: y + torch.ones(3).to(y.device),
 }
 
 
 @pytest.mark.parametrize("case", list(HOST_SYNCS))
-def test_capture_failure_on_cuda_is_explained_and_leaves_a_clean_context(
-    cuda: Backend, case: str
+def test_capture_failure_is_explained_and_leaves_a_clean_context(
+    backend: Backend, case: str
 ) -> None:
     fn = Flaky(HOST_SYNCS[case])
-    graphed = cuda.wrap(fn, warmup=2)
-    graphed(cuda.randn(3))  # the eager warm-up runs the host sync without trouble
+    graphed = backend.wrap(fn, warmup=2)
+    graphed(backend.randn(3))  # the eager warm-up runs the host sync without trouble
     with pytest.raises(
         RuntimeError, match=re.escape("CudaGraphModule could not capture the graph")
     ) as info:
-        graphed(cuda.randn(3))
+        graphed(backend.randn(3))
     message = str(info.value)
     assert info.value.__cause__ is not None
     assert "The CUDA context was left out of capture mode" in message
     if case != "synchronize":
         assert "synchronises the host" in message or "broke the capture" in message, message
-    _assert_not_capturing(cuda)
-    # Other CUDA work still runs, and the wrapper captures once the cause is removed.
-    torch.testing.assert_close(torch.ones(2, device="cuda").sum().cpu(), torch.tensor(2.0))
-    fn.broken = False
+    _assert_not_capturing(backend)
+    if backend.name == "cuda":  # other CUDA work still runs
+        torch.testing.assert_close(torch.ones(2, device="cuda").sum().cpu(), torch.tensor(2.0))
+    fn.broken = False  # the wrapper captures once the cause is removed
     for _ in range(3):
-        x = cuda.randn(3)
+        x = backend.randn(3)
         torch.testing.assert_close(graphed(x), x * 2 + 1)
     assert graphed.is_captured
 

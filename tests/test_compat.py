@@ -6,6 +6,8 @@ entry's note in `src/cudagraph_td/_compat.py` before changing the library.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from tensordict import TensorDict, tensorclass
 from tensordict.nn import InteractionType, set_interaction_type
@@ -148,3 +150,28 @@ def test_module_hooks_lists_the_registered_kinds() -> None:
     net.register_forward_hook(lambda module, args, out: None)
     net.register_full_backward_hook(lambda module, grad_in, grad_out: None)
     assert _compat.module_hooks(net) == ["forward pre", "forward", "backward"]
+
+
+def test_the_recorder_sees_operations_and_the_writes_they_declare() -> None:
+    # `_recording` relies on a dispatch mode seeing each ATen operation with its tensors,
+    # and on a schema's alias information marking the arguments an operation writes.
+    seen: list[Any] = []
+
+    class Seeing(_compat.TorchDispatchMode):
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.ones(3)
+    with Seeing():
+        x.add_(1)
+    assert seen == [torch.ops.aten.add_.Tensor]
+    written = [
+        a.alias_info is not None and a.alias_info.is_write for a in _compat.op_arguments(seen[0])
+    ]
+    assert written[0] and not any(written[1:])
+    with torch.no_grad(), _compat.below_autograd():
+        torch.ops.aten.add_.Tensor(x, torch.ones(3))
+    assert torch.equal(x, torch.full((3,), 3.0))

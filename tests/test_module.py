@@ -142,12 +142,9 @@ def test_call_counting_follows_tensordict(backend: Backend) -> None:
         executions.append(fn.calls)
     assert graphed.counter == 3 and graphed.is_captured
     # Warm-up calls 1 and 2 run the function once; call 3 captures; later calls replay.
-    # CUDA runs it twice at capture (an eager run for the result, then the recording) and
-    # never at replay; the emulation runs it once per call.
-    if backend.name == "cuda":
-        assert executions == [1, 2, 4, 4, 4]
-    else:
-        assert executions == [1, 2, 3, 4, 5]
+    # The capture runs it twice (an eager run for the result, then the recording); a replay
+    # never does, on CUDA as on the emulation.
+    assert executions == [1, 2, 4, 4, 4]
 
 
 def test_effects_happen_once_per_call(backend: Backend) -> None:

@@ -22,9 +22,9 @@ def test_verified_replays_run_the_function_eagerly_then_stop(backend: Backend) -
     graphed = backend.wrap(fn, warmup=2, verify=3)
     for _ in range(2):  # a warm-up call and the capture
         graphed(backend.randn(4), scale=2.0)
-    # A CUDA replay runs no Python: each verified replay runs the function once, eagerly.
-    # The emulation's replay re-runs it too.
-    per_replay = 1 if backend.name == "cuda" else 2
+    # A replay runs no Python (on CUDA as on the emulation): each verified replay runs the
+    # function once, eagerly.
+    per_replay = 1
     for i in range(5):
         calls = fn.calls
         x = backend.randn(4)

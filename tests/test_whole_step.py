@@ -31,7 +31,7 @@ def _agent(
     net = nn.Sequential(nn.Linear(3, 32), nn.Tanh(), nn.Linear(32, 1)).to(backend.device)
     target = copy.deepcopy(net).requires_grad_(False)
     lr = torch.tensor(1e-2, device=backend.device)
-    opt = OPTIMIZERS[optimizer](net.parameters(), lr, backend.name == "cuda")
+    opt = OPTIMIZERS[optimizer](net.parameters(), lr, True)
 
     def update(td: TensorDict) -> TensorDict:
         opt.zero_grad(set_to_none=False)
@@ -77,7 +77,7 @@ def test_tensor_learning_rate_changes_take_effect(backend: Backend) -> None:
     def make() -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, Any]:
         w = torch.zeros(3, device=backend.device, requires_grad=True)
         lr = torch.tensor(0.1, device=backend.device)
-        opt = torch.optim.Adam([w], lr=lr, capturable=backend.name == "cuda")
+        opt = torch.optim.Adam([w], lr=lr, capturable=True)
         # A scheduler writes into a tensor learning rate in place.
         scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
@@ -175,9 +175,7 @@ def test_equal_hyperparameter_in_a_new_object_replays_and_a_deleted_one_is_repor
 
 def test_replaced_tensor_learning_rate_is_reported(backend: Backend) -> None:
     w = torch.zeros(3, device=backend.device, requires_grad=True)
-    opt = torch.optim.Adam(
-        [w], lr=torch.tensor(0.1, device=backend.device), capturable=backend.name == "cuda"
-    )
+    opt = torch.optim.Adam([w], lr=torch.tensor(0.1, device=backend.device), capturable=True)
 
     def step(x: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=False)
@@ -336,7 +334,7 @@ def test_a_step_that_sets_its_own_learning_rate_is_not_a_change(backend: Backend
         w = torch.zeros(3, device=backend.device, requires_grad=True)
         base = torch.tensor(0.1, device=backend.device)
         count = torch.zeros((), device=backend.device)
-        opt = torch.optim.Adam([w], lr=base.clone(), capturable=backend.name == "cuda")
+        opt = torch.optim.Adam([w], lr=base.clone(), capturable=True)
 
         def step(x: torch.Tensor) -> torch.Tensor:
             opt.zero_grad(set_to_none=False)

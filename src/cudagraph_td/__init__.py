@@ -1,5 +1,6 @@
 """CUDA graphs made easy and safe for PyTorch and TensorDict users."""
 
+from ._compat import capturable_on_cpu as capturable_on_cpu
 from ._errors import InputMismatchError as InputMismatchError
 from ._errors_shapes import GraphLimitWarning as GraphLimitWarning
 from ._graphed_callables import make_graphed_callables as make_graphed_callables
@@ -16,6 +17,7 @@ __all__ = [
     "RecaptureWarning",
     "VerificationError",
     "__version__",
+    "capturable_on_cpu",
     "capture_stream",
     "make_graphed_callables",
 ]

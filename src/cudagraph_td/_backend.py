@@ -18,12 +18,11 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from . import _errors, _sharing, _tree
+from . import _compat, _errors, _recording, _sharing, _tree
 from ._compat import (
     clear_cublas_workspaces,
     distributions_validate_args,
     end_allocate_to_pool,
-    foreach_copy_,
 )
 
 T = TypeVar("T")
@@ -87,6 +86,8 @@ def backend_factory(
         )
         if isinstance(backend, CudaBackend):
             backend.agreement = agreement
+        elif isinstance(backend, EmulatedBackend) and agreement is not None:
+            backend.reruns_python = True  # a DDP step (see `EmulatedBackend`)
         return backend
 
     return make
@@ -331,35 +332,51 @@ def _no_autocast_cache() -> Iterator[None]:
 
 
 class EmulatedBackend:
-    """A CPU stand-in for CUDA graphs with the same memory contract.
+    """A CPU stand-in for CUDA graphs with their contract (see `_recording`).
 
-    ``capture`` records the function without running it, and allocates static outputs shaped
-    as an eager result; each ``replay`` runs the function on the same static inputs and
-    copies its results into those same tensors, as a CUDA graph overwrites its output
-    memory. Like a CUDA graph, a replay sees the current contents of the static inputs and of
-    every tensor the function reads, and repeats the function's in-place updates.
+    ``capture`` records the function's ATen operations (undoing their effects, as a CUDA
+    capture has none), and returns its outputs as the static outputs; each ``replay`` runs
+    the recorded operations again on the same tensors, without the function's Python code:
+    Python values are frozen at the capture, random operations draw new numbers, in-place
+    updates happen again, outputs are overwritten.
     """
 
-    reruns_python = True
+    reruns_python = False
 
-    def __init__(self, device: torch.device | None = None):
+    def __init__(self, device: torch.device | None = None, *, rerun: bool = False):
         self.device = torch.device("cpu") if device is None else device
+        # A step whose collectives torch runs outside the dispatcher (DDP's gradient
+        # all-reduce) cannot be recorded: its replays run the function again instead.
+        self.reruns_python = rerun
 
     def warmup(self, fn: Callable[[], T]) -> T:
-        return fn()
+        with _compat.capturable_on_cpu():  # as CUDA graphs need (see `_compat`)
+            return fn()
 
     def for_autograd(self) -> EmulatedBackend:
         return self
 
     def capture(self, fn: Callable[[], T], like: T) -> tuple[Graph, T]:
-        leaves, spec = _tree.flatten(like)
-        with torch.no_grad():
-            leaves = [
-                torch.empty_like(leaf) if isinstance(leaf, torch.Tensor) else leaf
-                for leaf in leaves
-            ]
-        static: T = _tree.unflatten(spec, leaves)
-        return _EmulatedGraph(fn, static), static
+        # As on CUDA: autocast's cache would keep a capture-time cast of each parameter,
+        # which the recording would then not recompute (see `_no_autocast_cache`).
+        if self.reruns_python:
+            leaves, spec = _tree.flatten(like)
+            with torch.no_grad():
+                leaves = [
+                    torch.empty_like(leaf) if isinstance(leaf, torch.Tensor) else leaf
+                    for leaf in leaves
+                ]
+            static: T = _tree.unflatten(spec, leaves)
+            return _EmulatedGraph(fn, static), static
+        # As on CUDA: torch.distributions' argument checks read values on the host (the
+        # eager warm-up and capturing calls checked them).
+        validate_args = distributions_validate_args()
+        torch.distributions.Distribution.set_default_validate_args(False)
+        try:
+            with _no_autocast_cache(), _compat.capturable_on_cpu():
+                return _recording.record(fn)
+        finally:
+            torch.distributions.Distribution.set_default_validate_args(validate_args)
 
 
 class _EmulatedGraph:
@@ -371,7 +388,7 @@ class _EmulatedGraph:
         self._meta = [(t.shape, t.dtype) for t in self._static]
 
     def replay(self) -> None:
-        with torch.set_grad_enabled(self._grad_enabled):
+        with torch.set_grad_enabled(self._grad_enabled), _compat.capturable_on_cpu():
             out = self._fn()
         leaves, spec = _tree.flatten(out)
         new = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
@@ -379,4 +396,4 @@ class _EmulatedGraph:
             raise _errors.emulated_branch_changed()
         if new:
             with torch.no_grad():
-                foreach_copy_(self._static, [t.detach() for t in new])
+                _compat.foreach_copy_(self._static, [t.detach() for t in new])

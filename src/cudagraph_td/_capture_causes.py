@@ -25,6 +25,12 @@ CAPTURE_CAUSES = (
         "Move such code out of the function, or use tensor ops (`torch.where`) instead.",
     ),
     (
+        ("Expected all tensors to be on the same device",),
+        "the function makes a tensor without `device=` (`torch.ones(3)`, `torch.tensor([...])`), "
+        "which is on the CPU, and uses it with the graph's tensors: make it on their device "
+        "(`torch.ones(3, device=x.device)`), or once, outside the function.",
+    ),
+    (
         ("cudaErrorStreamCaptureImplicit", "legacy stream", "capturing blocking stream"),
         "the function uses the default (legacy) stream or another stream that is not "
         "ordered after the capture stream; often an operation between devices. Keep the "

@@ -7,13 +7,30 @@ library bypasses, grows code). Checked with torch 2.11 and 2.13, tensordict 0.14
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 from tensordict.nn import probabilistic
+
+# The CPU emulation's recorder (`_recording`), checked with torch 2.11 and 2.13:
+# `TorchDispatchMode`, the base class of a mode that sees every ATen operation (with its
+# tensors) below autograd; `_AutoDispatchBelowAutograd`, which runs operations below autograd
+# (a replay of recorded operations, as a CUDA graph's replay runs kernels); an operation's
+# schema (`OpOverload._schema`), whose arguments' alias information marks the ones it writes.
+from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
+
+below_autograd: Callable[[], Any] = torch._C._AutoDispatchBelowAutograd
+
+
+def op_arguments(func: Any) -> Any:
+    """The schema arguments of an ATen operation (``OpOverload._schema.arguments``)."""
+    return func._schema.arguments
+
 
 # `torch._foreach_copy_(dst, src)`: one multi-tensor copy, issued faster than a `copy_` per
 # tensor, even for one tensor. The replay's input copy and the packed outputs use it.
@@ -117,3 +134,50 @@ def module_hooks(module: torch.nn.Module) -> list[str]:
     return [
         kind for kind in _HOOK_KINDS if getattr(module, f"_{kind.replace(' ', '_')}_hooks", None)
     ]
+
+
+@contextlib.contextmanager
+def capturable_on_cpu() -> Iterator[None]:
+    """Let optimizers built with ``capturable=True`` step on CPU parameters (experimental).
+
+    A captured training step needs a capturable optimizer, which torch refuses for CPU
+    parameters. The CPU emulation (``backend="emulate"``) lifts that refusal inside its own
+    calls; code that runs the same optimizer eagerly on the CPU (an eager twin in a test)
+    runs it inside this context.
+
+    Examples:
+        >>> import torch
+        >>> from cudagraph_td import capturable_on_cpu
+        >>> w = torch.nn.Parameter(torch.ones(3))
+        >>> opt = torch.optim.Adam([w], lr=torch.tensor(0.1), capturable=True)
+        >>> w.grad = torch.ones(3)
+        >>> with capturable_on_cpu():
+        ...     opt.step()
+        >>> w.detach()
+        tensor([0.9000, 0.9000, 0.9000])
+
+    torch refuses ``capturable=True`` for CPU parameters through
+    ``torch.optim.optimizer._get_capturable_supported_devices``, which each optimizer module
+    imports by name (checked with torch 2.11 and 2.13); its capturable code paths are tensor
+    operations that run on the CPU as they are.
+    """
+    import torch.optim.optimizer as optimizer_module
+
+    original = optimizer_module._get_capturable_supported_devices
+
+    def with_cpu(*args: Any, **kwargs: Any) -> list[str]:
+        return [*original(*args, **kwargs), "cpu"]
+
+    modules = [
+        m
+        for name, m in list(sys.modules.items())
+        if name.startswith("torch.optim")
+        and getattr(m, "_get_capturable_supported_devices", None) is original
+    ]
+    for m in modules:
+        m._get_capturable_supported_devices = with_cpu  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for m in modules:
+            m._get_capturable_supported_devices = original  # type: ignore[attr-defined]
