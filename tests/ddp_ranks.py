@@ -126,6 +126,33 @@ def buckets(rank: int, device: torch.device) -> None:
     assert info.key == (8,) and info.captured and info.replays == 3, info
 
 
+def buckets_above(rank: int, device: torch.device) -> None:
+    """A batch above the largest bucket on rank 1 alone: an error on every rank, each
+    naming its own batch and where the batch above is."""
+    ddp = _ddp(_net(device), device)
+    graphed = CudaGraphModule(
+        lambda x: ddp(x),
+        warmup=12,
+        shapes="buckets",
+        buckets=[4, 8],
+        overflow="raise",
+        backend=BACKEND,
+    )
+    expected = (
+        "received batch dims [12], above its largest bucket 8"
+        if rank
+        else "received batch dims [3], and another rank of its DDP step a batch above its "
+        "largest bucket 8"
+    )
+    with torch.no_grad():
+        try:
+            graphed(_batch(12 if rank else 3, device, seed=rank)[0])
+        except RuntimeError as err:
+            assert expected in str(err), err
+        else:
+            raise AssertionError("no error")
+
+
 def capture_fails(rank: int, device: torch.device) -> None:
     """A capture that fails on rank 1 alone: an error on every rank, then, fixed, a new
     capture on every rank and parameters equal across ranks."""
@@ -153,6 +180,7 @@ CASES: dict[str, Callable[[int, torch.device], None]] = {
     "exact_same": exact_same,
     "exact_differ": exact_differ,
     "buckets": buckets,
+    "buckets_above": buckets_above,
     "capture_fails": capture_fails,
 }
 

@@ -146,7 +146,9 @@ def test_two_ranks_agree_on_graphs_and_on_failed_captures() -> None:
     # collectives at its capture, where a CUDA capture records them).
     if HAS_CUDA and torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs (one process per GPU)")
-    cases = ["exact_same", "exact_differ", "buckets"] + (["capture_fails"] if HAS_CUDA else [])
+    cases = ["exact_same", "exact_differ", "buckets", "buckets_above"] + (
+        ["capture_fails"] if HAS_CUDA else []
+    )
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     script = str(Path(__file__).with_name("ddp_ranks.py"))
     result = subprocess.run(

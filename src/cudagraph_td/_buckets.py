@@ -32,10 +32,11 @@ class BucketGraphs(Graphs):
         options = self.options
         batch = _padding.batch_of(self.name, args, kwargs, options.batch_dims)
         size = _padding.bucket_for(batch, options.buckets)
+        own = size
         if options.agreement is not None:  # every rank of a DDP step: the same graph
             size = options.agreement.largest(size)
-        if size is None:
-            return self._overflow(args, kwargs, batch)
+        if size is None:  # above every bucket: this call's batch, or another rank's
+            return self._overflow(args, kwargs, batch, elsewhere=own is not None)
         if torch.is_grad_enabled() and not options.row_independent:
             raise _errors_shapes.padding_refused(self.name, "calls in grad mode")
         runner = self.runners.get(size)

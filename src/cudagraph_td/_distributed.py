@@ -88,6 +88,7 @@ class Agreement:
             self.group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
+        self._digests: dict[Hashable, int] = {}  # each key's digest, which the ranks compare
 
     def largest(self, size: tuple[int, ...] | None) -> tuple[int, ...] | None:
         """The bucket of every rank: the largest that one needs (None: above every bucket,
@@ -102,7 +103,11 @@ class Agreement:
 
     def same(self, key: Hashable, shown: Any) -> None:
         """Raise on every rank unless every rank's call has the graph of ``key`` (``"exact"``)."""
-        digest = zlib.crc32(repr(key).encode())
+        digest = self._digests.get(key)
+        if digest is None:  # once per key: a call pays a dictionary look-up, then the collective
+            if len(self._digests) >= _MAX_DIGESTS:
+                self._digests.clear()
+            digest = self._digests[key] = zlib.crc32(repr(key).encode())
         both = torch.tensor([digest, -digest], dtype=torch.int64)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
         if int(both[0]) != -int(both[1]):
@@ -132,3 +137,4 @@ class Agreement:
 
 _ABOVE = 1 << 40  # a call above every bucket, which every rank's agreement then takes
 _MAX_DIMS = 8
+_MAX_DIGESTS = 256  # keys of refused calls count too: the cache is bounded

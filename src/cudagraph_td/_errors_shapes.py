@@ -59,11 +59,16 @@ def padding_refused(name: str, why: str) -> RuntimeError:
     )
 
 
-def above_buckets(name: str, batch: Any, buckets: Any) -> RuntimeError:
+def above_buckets(name: str, batch: Any, buckets: Any, elsewhere: bool = False) -> RuntimeError:
+    where = (
+        f"received batch dims {list(batch)}, and another rank of its DDP step a batch above"
+        if elsewhere
+        else f"received batch dims {list(batch)}, above"
+    )
     return RuntimeError(
-        f"{name} received batch dims {list(batch)}, above its largest bucket "
-        f"{max(buckets)} (buckets={list(buckets)}), and overflow='raise'. Add a larger "
-        "bucket, or pass overflow='eager' to run such calls eagerly."
+        f"{name} {where} its largest bucket {max(buckets)} (buckets={list(buckets)}), and "
+        "overflow='raise'. Add a larger bucket, or pass overflow='eager' to run such calls "
+        "eagerly (on every rank)."
     )
 
 

@@ -214,12 +214,15 @@ class Graphs:
                     raise error
                 return
 
-    def _overflow(self, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Any) -> Any:
-        """A call past ``max_graphs`` or above the largest bucket: eager, or an error."""
+    def _overflow(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Any, *, elsewhere: bool = False
+    ) -> Any:
+        """A call past ``max_graphs`` or above the largest bucket (on this rank, or on
+        another rank of a DDP step: ``elsewhere``): eager, or an error."""
         options = self.options
         if batch is not None:
             if options.overflow == "raise":
-                raise _errors_shapes.above_buckets(self.name, batch, options.buckets)
+                raise _errors_shapes.above_buckets(self.name, batch, options.buckets, elsewhere)
         else:
             message = _errors_shapes.too_many_graphs(
                 self.name, options.max_graphs, [_shown(k) for k in self.runners], options.overflow
