@@ -58,6 +58,7 @@ class Recorder(TorchDispatchMode):
         self._saved: dict[int, tuple[Any, Any]] = {}  # storage address: (storage, its copy)
         self._host: set[int] = set()  # the storages of the CPU tensors that the call made
         self.making_host = False  # while a factory makes such a tensor
+        self._kept: list[torch.Tensor] = []  # those tensors, which the recording does not hold
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -95,13 +96,14 @@ class Recorder(TorchDispatchMode):
         return bool(self._host) and _address(tensor) in self._host
 
     def host_made(self, out: Any) -> None:
-        """Mark the tensors of ``out`` as made on the CPU (``_made`` keeps them apart: the
-        recorded operations keep their memory alive until the recording ends)."""
+        """Mark the tensors of ``out`` as made on the CPU. They are kept until the recording
+        ends, as the recorded operations keep theirs: no other tensor gets their address."""
         for t in _tensors(out):
             key = _address(t)
             if key:  # not an empty tensor's, nor a tensor without storage
                 self._host.add(key)
                 self._made.add(key)
+                self._kept.append(t)
 
     def undo(self) -> None:
         """Give the tensors that existed before the call their values back."""
@@ -192,7 +194,7 @@ class _HostCalls(TorchFunctionMode):
 
     def _factory(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         data = args[0] if args else kwargs.get("data")
-        if kwargs.get("device") is None:
+        if kwargs.get("device") is None and kwargs.get("out") is None:
             self._recorder.making_host = True
             try:
                 out = func(*args, **kwargs)
