@@ -6,7 +6,8 @@
 #   bash scripts/gpu_check.sh                 # tests and examples
 #   TESTS=0 BENCH=1 bash scripts/gpu_check.sh # the benchmark alone
 # It installs the wheels that ../shared/gpu/fetch-wheels.sh put in .whl/ (if any), and writes
-# its logs to $OUT (or ./gpu-logs when OUT is unset). With wheels in .whl-rl/ (torchrl 0.14.1,
+# its logs to $OUT (or ./gpu-logs when OUT is unset); test-pairs.log pairs each test body's
+# outcome on the emulation with its outcome on CUDA (scripts/test_pairs.py). With wheels in .whl-rl/ (torchrl 0.14.1,
 # the tensordict 0.14.3 it requires, and their small needs; see scripts/fetch_torchrl_wheels.sh)
 # it also runs the tests that use torchrl, in an environment of their own.
 set -uo pipefail
@@ -26,7 +27,10 @@ status=0
   python3 -c 'import torch, tensordict, optree; print("torch", torch.__version__, "tensordict", tensordict.__version__, "optree", optree.__version__)'
 } 2>&1 | tee "$out/env.log"
 if [ "${TESTS:-1}" = 1 ]; then
-  CATALOG_EXAMPLES=${CATALOG_EXAMPLES:-200} python3 -m pytest -q -p no:cacheprovider tests src/cudagraph_td "$@" 2>&1 | tee "$out/gpu-tests.log" || status=1
+  CATALOG_EXAMPLES=${CATALOG_EXAMPLES:-200} python3 -m pytest -v -p no:cacheprovider tests src/cudagraph_td "$@" 2>&1 | tee "$out/gpu-tests.log" || status=1
+  # Each test body's outcome on the emulation beside CUDA's (the hazard files in the table).
+  python3 scripts/test_pairs.py "$out/gpu-tests.log" tests/test_capture.py tests/test_recording.py \
+    > "$out/test-pairs.log"
   for example in examples/*.py; do
     case $example in examples/torchrl*) continue ;; esac  # run beside torchrl, below
     echo "== $example" | tee -a "$out/examples.log"
