@@ -7,9 +7,10 @@
 #   TESTS=0 BENCH=1 bash scripts/gpu_check.sh # the benchmark alone
 # It installs the wheels that ../shared/gpu/fetch-wheels.sh put in .whl/ (if any), and writes
 # its logs to $OUT (or ./gpu-logs when OUT is unset); test-pairs.log pairs each test body's
-# outcome on the emulation with its outcome on CUDA (scripts/test_pairs.py). With wheels in .whl-rl/ (torchrl 0.14.1,
-# the tensordict 0.14.3 it requires, and their small needs; see scripts/fetch_torchrl_wheels.sh)
-# it also runs the tests that use torchrl, in an environment of their own.
+# outcome on the emulation with its outcome on CUDA (scripts/test_pairs.py). With wheels in
+# .whl-rl/ (torchrl 0.14.1, the tensordict 0.14.3 it requires, and their small needs; see
+# scripts/fetch_torchrl_wheels.sh) it also runs the tests that use torchrl, in an environment
+# of their own.
 set -uo pipefail
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
