@@ -14,6 +14,13 @@ import torch
 
 from .conftest import Backend
 
+
+def _zero_the_positives(x: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    y[y > 0] = 0.0  # one value: a `masked_fill_` on CUDA, which reads no count of values
+    return y
+
+
 CPU_WORK: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "cpu-scalar-operand": lambda x: x * torch.tensor(2.0),
     "host-read-of-a-cpu-tensor": lambda x: x * len(torch.arange(3).tolist()),
@@ -22,6 +29,11 @@ CPU_WORK: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "dtype-cast-of-a-cpu-scalar": lambda x: x * torch.tensor(2).to(torch.float32),
     "factory-on-the-device": lambda x: x + torch.ones(x.shape, device=x.device),
     "vmap": lambda x: torch.vmap(lambda row: row * 2 + torch.tensor(1.0))(x),
+    "boolean-mask-assignment-of-a-number": _zero_the_positives,
+    "boolean-mask-fill": lambda x: x.clone().index_put_((x > 0,), torch.tensor(0.0)),
+    "repeat-interleave-with-its-size": lambda x: x.repeat_interleave(
+        torch.full((4,), 2, device=x.device), dim=0, output_size=8
+    ),
 }
 
 

@@ -45,7 +45,9 @@ _DATA_DEPENDENT = {
     _aten.unique_dim.default,
     _aten._unique2.default,
     _aten.unique_consecutive.default,
+    _aten.bincount.default,
 }
+_INDEX_PUTS = {_aten.index_put_.default, _aten.index_put.default, _aten._index_put_impl_.default}
 
 
 class Recorder(TorchDispatchMode):
@@ -73,7 +75,7 @@ class Recorder(TorchDispatchMode):
             _check_mixed(func, on_host, _written(func, args, kwargs), self.on_host)
         if func is _aten._local_scalar_dense.default:
             raise RuntimeError(f"{_HOST_READ} a host read of a tensor's value, `.item()`)")
-        if func in _DATA_DEPENDENT or (func is _aten.index.Tensor and _boolean_index(args)):
+        if func in _DATA_DEPENDENT or _depends_on_values(func, args, kwargs):
             raise RuntimeError(f"{_HOST_READ} an output shape that depends on values)")
         # Writes into memory that existed before the call (parameters, optimizer state, and
         # views of them, such as `.data`) are undone: their storage is saved first.
@@ -301,12 +303,19 @@ def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[t
     return written
 
 
-def _boolean_index(args: tuple[Any, ...]) -> bool:
-    """Whether an ``index`` operation indexes with a boolean mask (its shape is data's)."""
-    indices = args[1] if len(args) > 1 else ()
-    return any(
-        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
-    )
+def _depends_on_values(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an operation needs the count of values that a tensor holds: indexing with a
+    boolean mask (an assignment of one value is a ``masked_fill_`` on CUDA), or repeats
+    given by a tensor without their total."""
+    if func is _aten.repeat_interleave.Tensor:
+        return kwargs.get("output_size") is None and (len(args) < 2 or args[1] is None)
+    if func is _aten.index.Tensor or func in _INDEX_PUTS:
+        indices = args[1] if len(args) > 1 else ()
+        masks = any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
+        )
+        return masks and (func is _aten.index.Tensor or args[2].numel() != 1)
+    return False
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
