@@ -21,6 +21,11 @@ def _zero_the_positives(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def _vmapped(x: torch.Tensor) -> torch.Tensor:
+    scale = torch.tensor(2.0)  # a CPU tensor, made before `vmap`'s batched tensors
+    return torch.vmap(lambda row: row.sin() * 2)(x) * scale
+
+
 CPU_WORK: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "cpu-scalar-operand": lambda x: x * torch.tensor(2.0),
     "host-read-of-a-cpu-tensor": lambda x: x * len(torch.arange(3).tolist()),
@@ -28,7 +33,7 @@ CPU_WORK: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "print-of-a-cpu-tensor": lambda x: x * (print(torch.arange(2)) or 2),
     "dtype-cast-of-a-cpu-scalar": lambda x: x * torch.tensor(2).to(torch.float32),
     "factory-on-the-device": lambda x: x + torch.ones(x.shape, device=x.device),
-    "vmap": lambda x: torch.vmap(lambda row: row * 2 + torch.tensor(1.0))(x),
+    "vmap": _vmapped,
     "boolean-mask-assignment-of-a-number": _zero_the_positives,
     "boolean-mask-fill": lambda x: x.clone().index_put_((x > 0,), torch.tensor(0.0)),
     "repeat-interleave-with-its-size": lambda x: x.repeat_interleave(
