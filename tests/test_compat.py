@@ -175,3 +175,21 @@ def test_the_recorder_sees_operations_and_the_writes_they_declare() -> None:
     with torch.no_grad(), _compat.below_autograd():
         torch.ops.aten.add_.Tensor(x, torch.ones(3))
     assert torch.equal(x, torch.full((3,), 3.0))
+
+
+def test_capturable_on_cpu_outlives_none_of_its_contexts() -> None:
+    # Contexts in two threads may close in any order: torch's check comes back once the
+    # last one closes, never while one is still open.
+    import torch.optim.adam as adam
+    import torch.optim.optimizer as optimizer
+
+    original = optimizer._get_capturable_supported_devices
+    first, second = _compat.capturable_on_cpu(), _compat.capturable_on_cpu()
+    first.__enter__()
+    second.__enter__()
+    assert "cpu" in adam._get_capturable_supported_devices()
+    first.__exit__(None, None, None)  # the first one out, while the other is open
+    assert "cpu" in adam._get_capturable_supported_devices()
+    second.__exit__(None, None, None)
+    assert adam._get_capturable_supported_devices is original
+    assert optimizer._get_capturable_supported_devices is original

@@ -357,8 +357,6 @@ class EmulatedBackend:
         return self
 
     def capture(self, fn: Callable[[], T], like: T) -> tuple[Graph, T]:
-        # As on CUDA: autocast's cache would keep a capture-time cast of each parameter,
-        # which the recording would then not recompute (see `_no_autocast_cache`).
         if self.reruns_python:
             leaves, spec = _tree.flatten(like)
             with torch.no_grad():
@@ -369,7 +367,9 @@ class EmulatedBackend:
             static: T = _tree.unflatten(spec, leaves)
             return _EmulatedGraph(fn, static), static
         # As on CUDA: torch.distributions' argument checks read values on the host (the
-        # eager warm-up and capturing calls checked them).
+        # eager warm-up and capturing calls checked them); autocast's cache would keep a
+        # capture-time cast of each parameter, which the recording would then not recompute
+        # (see `_no_autocast_cache`).
         validate_args = distributions_validate_args()
         torch.distributions.Distribution.set_default_validate_args(False)
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -161,6 +162,30 @@ def capturable_on_cpu() -> Iterator[None]:
     imports by name (checked with torch 2.11 and 2.13); its capturable code paths are tensor
     operations that run on the CPU as they are.
     """
+    with _CAPTURABLE_LOCK:
+        if _capturable_entries[0] == 0:
+            _allow_cpu_captures()
+        _capturable_entries[0] += 1
+    try:
+        yield
+    finally:
+        with _CAPTURABLE_LOCK:  # the last one out restores torch's (threads may overlap)
+            _capturable_entries[0] -= 1
+            if _capturable_entries[0] == 0:
+                _allow_cpu_captures(undo=True)
+
+
+_CAPTURABLE_LOCK = threading.Lock()
+_capturable_entries = [0]  # how many `capturable_on_cpu` contexts are open, in any thread
+_patched: list[tuple[Any, Any]] = []  # (optimizer module, torch's function) while open
+
+
+def _allow_cpu_captures(undo: bool = False) -> None:
+    if undo:
+        for module, original in _patched:
+            module._get_capturable_supported_devices = original
+        _patched.clear()
+        return
     import torch.optim.optimizer as optimizer_module
 
     original = optimizer_module._get_capturable_supported_devices
@@ -168,16 +193,9 @@ def capturable_on_cpu() -> Iterator[None]:
     def with_cpu(*args: Any, **kwargs: Any) -> list[str]:
         return [*original(*args, **kwargs), "cpu"]
 
-    modules = [
-        m
-        for name, m in list(sys.modules.items())
-        if name.startswith("torch.optim")
-        and getattr(m, "_get_capturable_supported_devices", None) is original
-    ]
-    for m in modules:
-        m._get_capturable_supported_devices = with_cpu  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        for m in modules:
-            m._get_capturable_supported_devices = original  # type: ignore[attr-defined]
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch.optim") and (
+            getattr(module, "_get_capturable_supported_devices", None) is original
+        ):
+            _patched.append((module, original))
+            module._get_capturable_supported_devices = with_cpu  # type: ignore[attr-defined]
