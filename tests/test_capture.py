@@ -32,7 +32,17 @@ def _raise_value_error(y: torch.Tensor) -> None:
     raise ValueError("bad value in the user's code")
 
 
+# torch's own, which the emulation's recording answers for on its thread while it records.
+_TORCH_CUDA = (
+    torch.cuda.is_available,
+    torch.cuda.is_current_stream_capturing,
+    torch.cuda.synchronize,
+)
+
+
 def _assert_not_capturing(backend: Backend) -> None:
+    now = (torch.cuda.is_available, torch.cuda.is_current_stream_capturing, torch.cuda.synchronize)
+    assert now == _TORCH_CUDA  # the recording ended, failed or not
     if backend.name == "cuda":
         assert not torch.cuda.is_current_stream_capturing()
         torch.cuda.synchronize()  # no sticky error left behind
