@@ -153,6 +153,19 @@ HOST_SYNCS: dict[str, Callable[[torch.Tensor], Any]] = {
     "copy-to-cpu": lambda y: y.cpu(),
     "copy-into-cpu-tensor": lambda y: torch.zeros(3).copy_(y),
     "cpu-tensor-to-cuda": lambda y: y + torch.ones(3).to(y.device),
+    "cpu-index-tensor": lambda y: y[torch.tensor([0, 2])],
+    "python-list-index": lambda y: y[[0, 2]],  # made into an index tensor on y's device
+    # A Python number assigned by indexing is a CPU tensor (of `y`'s dtype) on CUDA too: a
+    # copy into one element, or at tensor indices (a boolean mask makes a `masked_fill_`).
+    "number-assigned-to-one-element": lambda y: y.clone().__setitem__(0, 1.0),
+    "number-assigned-at-tensor-indices": lambda y: y.clone().__setitem__(
+        torch.arange(2, device=y.device), 1.0
+    ),
+    "device-value-assigned-by-mask": lambda y: y.clone().__setitem__(y > 0, y.sum()),
+    "tensor-of-device-values": lambda y: torch.tensor([y.sum(), y.mean()]),
+    "new-tensor-of-python-data": lambda y: y.new_tensor([1.0, 2.0, 3.0]),
+    "factory-filled-with-a-device-value": lambda y: torch.full((3,), y.sum()),
+    "equal": lambda y: torch.equal(y, y * 2),
 }
 
 

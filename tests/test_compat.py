@@ -177,6 +177,20 @@ def test_the_recorder_sees_operations_and_the_writes_they_declare() -> None:
     assert torch.equal(x, torch.full((3,), 3.0))
 
 
+def test_default_device_set_sees_both_ways_of_setting_one() -> None:
+    # `_host_calls` treats a factory without `device=` as a CPU tensor only when no default
+    # device is set: torch's function mode stack holds a `DeviceContext` while one is.
+    assert not _compat.default_device_set()
+    with torch.device("cpu"):
+        assert _compat.default_device_set()
+    torch.set_default_device("cpu")
+    try:
+        assert _compat.default_device_set()
+    finally:
+        torch.set_default_device(None)
+    assert not _compat.default_device_set()
+
+
 def test_capturable_on_cpu_outlives_none_of_its_contexts() -> None:
     # Contexts in two threads may close in any order: torch's check comes back once the
     # last one closes, never while one is still open.

@@ -1,8 +1,9 @@
-"""What a capture may do with CPU tensors: the pairs of the refusals in test_capture.py.
+"""What a capture allows: the pairs of the refusals in test_capture.py.
 
 A CUDA capture records no CPU work, but it allows it: CPU tensors that the function makes
-may be read on the host and used as numbers. The emulation, where every tensor is on the
-CPU, must not refuse them either.
+may be read on the host and used as numbers, Python numbers assigned where CUDA fills with
+them. The emulation, where every tensor is on the CPU, must not refuse them, nor freeze the
+graph's own tensors.
 """
 
 from __future__ import annotations
@@ -21,6 +22,19 @@ def _zero_the_positives(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def _assign_numbers(x: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    y[0] = 1.0  # a row: CUDA fills it with the number (`fill_`), no copy
+    y[:, 1] = 0.0
+    return y
+
+
+def _assign_into_a_cpu_tensor(x: torch.Tensor) -> torch.Tensor:
+    scale = torch.zeros(2)
+    scale[0] = 3.0  # CPU work, frozen at the capture
+    return x * scale.sum()
+
+
 def _vmapped(x: torch.Tensor) -> torch.Tensor:
     scale = torch.tensor(2.0)  # a CPU tensor, made before `vmap`'s batched tensors
     return torch.vmap(lambda row: row.sin() * 2)(x) * scale
@@ -36,6 +50,12 @@ CPU_WORK: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "vmap": _vmapped,
     "boolean-mask-assignment-of-a-number": _zero_the_positives,
     "boolean-mask-fill": lambda x: x.clone().index_put_((x > 0,), torch.tensor(0.0)),
+    "number-assigned-to-a-row": _assign_numbers,
+    "number-assigned-into-a-cpu-tensor": _assign_into_a_cpu_tensor,
+    "graph-tensor-through-as-tensor": lambda x: torch.as_tensor(x) * 2 + torch.asarray(x),
+    "equal-of-a-tensor-and-itself": lambda x: x * torch.equal(x, x),
+    "python-list-index-of-a-cpu-tensor": lambda x: x * torch.arange(4.0)[[1, 3]].sum(),
+    "tuple-of-basic-indices": lambda x: x[(slice(None), 1)] * 2,
     "repeat-interleave-with-its-size": lambda x: x.repeat_interleave(
         torch.full((4,), 2, device=x.device), dim=0, output_size=8
     ),
@@ -62,3 +82,14 @@ def test_a_tensor_made_into_a_device_buffer_is_not_a_cpu_tensor(backend: Backend
     for _ in range(3):
         x = backend.randn(4, 3)
         torch.testing.assert_close(graphed(x), x + 1)
+
+
+def test_factories_follow_a_default_device_set_by_the_caller(backend: Backend) -> None:
+    # Under `torch.set_default_device(device)` or `with torch.device(device):`, a factory
+    # without `device=` makes its tensor on the graph's device, not on the CPU.
+    graphed = backend.wrap(lambda x: x + torch.ones(3) * torch.arange(3), warmup=2)
+    with torch.device(backend.device):
+        for _ in range(4):
+            x = backend.randn(3)
+            torch.testing.assert_close(graphed(x), x + torch.arange(3.0, device=x.device))
+    assert graphed.is_captured

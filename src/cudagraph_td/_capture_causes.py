@@ -21,7 +21,10 @@ CAPTURE_CAUSES = (
         "`.item()`, `.tolist()`, `.cpu()`, `print()` of a CUDA tensor, `bool()` or an `if` on a "
         "CUDA tensor, `torch.cuda.synchronize()`, boolean-mask indexing or `nonzero()`, or "
         "a copy between CUDA and pageable CPU memory (`torch.tensor([...], device='cuda')`, "
-        "`.to('cpu')`), a `torch.distributions` object built with `validate_args=True`. "
+        "`.to('cpu')`, a Python number assigned to one element or at tensor indices: "
+        "`x[0] = 0.0` on a 1-D `x`, `x[idx] = 0.0`; `x[0].fill_(0.0)` and `x.index_fill_(0, "
+        "idx, 0.0)` stay on the GPU), a `torch.distributions` object built with "
+        "`validate_args=True`. "
         "Move such code out of the function, or use tensor ops (`torch.where`) instead.",
     ),
     (

@@ -22,7 +22,10 @@ from tensordict.nn import probabilistic
 # `TorchDispatchMode`, the base class of a mode that sees every ATen operation (with its
 # tensors) below autograd; `_AutoDispatchBelowAutograd`, which runs operations below autograd
 # (a replay of recorded operations, as a CUDA graph's replay runs kernels); an operation's
-# schema (`OpOverload._schema`), whose arguments' alias information marks the ones it writes.
+# schema (`OpOverload._schema`), whose arguments' alias information marks the ones it writes;
+# the function mode stack (see `default_device_set`).
+from torch.overrides import _get_current_function_mode_stack as _function_modes
+from torch.utils._device import DeviceContext
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
 
 below_autograd: Callable[[], Any] = torch._C._AutoDispatchBelowAutograd
@@ -31,6 +34,14 @@ below_autograd: Callable[[], Any] = torch._C._AutoDispatchBelowAutograd
 def op_arguments(func: Any) -> Any:
     """The schema arguments of an ATen operation (``OpOverload._schema.arguments``)."""
     return func._schema.arguments
+
+
+def default_device_set() -> bool:
+    """Whether this thread has a default device for factories (``torch.set_default_device``,
+    ``with torch.device(...)``): both push a ``torch.utils._device.DeviceContext`` on torch's
+    function mode stack (``torch.overrides._get_current_function_mode_stack``), which no
+    public API lists; ``torch.get_default_device()`` cannot tell a chosen CPU from none."""
+    return any(isinstance(mode, DeviceContext) for mode in _function_modes())
 
 
 # `torch._foreach_copy_(dst, src)`: one multi-tensor copy, issued faster than a `copy_` per

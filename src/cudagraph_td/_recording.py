@@ -21,33 +21,28 @@ work: their values are frozen at the capture.
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from ._compat import TorchDispatchMode, below_autograd, op_arguments
+from ._host_calls import COPY, HOST_READ, MIXED, HostCalls, cuda_capturing
 
-_HOST_READ = "operation not permitted when stream is capturing (the emulation of"
-_COPY = "Cannot copy between CPU and CUDA tensors during CUDA graph capture (the emulation of"
-_MIXED = (
-    "Expected all tensors to be on the same device (the emulation of a CPU tensor that the "
-    "function made without `device=`, used with the graph's tensors)"
-)
 _aten = torch.ops.aten
 # ATen operations whose output shape depends on tensor values, read by the host.
 _DATA_DEPENDENT = {
     _aten.nonzero.default,
     _aten.masked_select.default,
     _aten.unique_dim.default,
+    _aten._unique.default,
     _aten._unique2.default,
     _aten.unique_consecutive.default,
+    _aten.unique_dim_consecutive.default,
     _aten.bincount.default,
 }
 _INDEX_PUTS = {_aten.index_put_.default, _aten.index_put.default, _aten._index_put_impl_.default}
+_INDEXING = {_aten.index.Tensor, *_INDEX_PUTS}
 
 
 class Recorder(TorchDispatchMode):
@@ -59,24 +54,25 @@ class Recorder(TorchDispatchMode):
         self._made: set[int] = set()  # the storages that the recorded operations allocated
         self._saved: dict[int, tuple[Any, Any]] = {}  # storage address: (storage, its copy)
         self._host: set[int] = set()  # the storages of the CPU tensors that the call made
-        self.making_host = False  # while a factory makes such a tensor
+        self._making_host = False  # while a factory makes such a tensor
         self._kept: list[torch.Tensor] = []  # those tensors, which the recording does not hold
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         tensors = _tensors([*args, *kwargs.values()])
         on_host = [t for t in tensors if self.on_host(t)]
-        if self.making_host or (on_host and len(on_host) == len(tensors)):
+        if self._making_host or (on_host and len(on_host) == len(tensors)):
             # CPU work, left out of the recording (see above).
             out = func(*args, **kwargs)
-            self.host_made(out)
+            self._host_made(out)
             return out
-        if on_host:
+        if func in _INDEXING:
+            _check_indexing(func, args, kwargs, self.on_host)
+        elif on_host:
             _check_mixed(func, on_host, _written(func, args, kwargs), self.on_host)
-        if func is _aten._local_scalar_dense.default:
-            raise RuntimeError(f"{_HOST_READ} a host read of a tensor's value, `.item()`)")
-        if func in _DATA_DEPENDENT or _depends_on_values(func, args, kwargs):
-            raise RuntimeError(f"{_HOST_READ} an output shape that depends on values)")
+        read = _host_read(func, args, kwargs)
+        if read:
+            raise RuntimeError(f"{HOST_READ} {read})")
         # Writes into memory that existed before the call (parameters, optimizer state, and
         # views of them, such as `.data`) are undone: their storage is saved first.
         for written in _written(func, args, kwargs):
@@ -97,7 +93,17 @@ class Recorder(TorchDispatchMode):
         """Whether ``tensor`` would be on the CPU in a GPU run too (see above)."""
         return bool(self._host) and _address(tensor) in self._host
 
-    def host_made(self, out: Any) -> None:
+    def make_on_host(self, func: Any, *args: Any, **kwargs: Any) -> Any:
+        """Call a factory that makes its tensors on the CPU in a GPU run too."""
+        self._making_host = True
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self._making_host = False
+        self._host_made(out)
+        return out
+
+    def _host_made(self, out: Any) -> None:
         """Mark the tensors of ``out`` as made on the CPU. They are kept until the recording
         ends, as the recorded operations keep theirs: no other tensor gets their address."""
         for t in _tensors(out):
@@ -134,114 +140,11 @@ def record(fn: Callable[[], Any]) -> tuple[RecordedGraph, Any]:
     """Run ``fn`` once, recording it; its effects on older tensors are undone."""
     recorder = Recorder()
     try:
-        with recorder, _HostCalls(recorder), _cuda_capturing():
+        with recorder, HostCalls(recorder), cuda_capturing():
             out = fn()
     finally:
         recorder.undo()
     return RecordedGraph(recorder.ops), out
-
-
-# Tensor methods that read values on the host without an ATen operation, which a dispatch
-# mode cannot see.
-_HOST_METHODS = {
-    torch.Tensor.tolist,
-    torch.Tensor.numpy,
-    torch.Tensor.__repr__,
-    torch.Tensor.__format__,
-    torch.Tensor.__array__,
-}
-# Functions that make a tensor on the default device (the CPU) unless given `device=`.
-_FACTORIES = {
-    torch.tensor,
-    torch.as_tensor,
-    torch.asarray,
-    torch.scalar_tensor,
-    torch.ones,
-    torch.zeros,
-    torch.empty,
-    torch.full,
-    torch.arange,
-    torch.linspace,
-    torch.logspace,
-    torch.eye,
-    torch.rand,
-    torch.randn,
-    torch.randint,
-    torch.randperm,
-}
-_FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
-
-
-class _HostCalls(TorchFunctionMode):
-    """Sees the calls that a dispatch mode cannot: host reads and copies, and the device
-    a factory was asked for (a mode is the recording thread's alone)."""
-
-    def __init__(self, recorder: Recorder):
-        super().__init__()
-        self._recorder = recorder
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func in _FACTORIES:
-            return self._factory(func, args, kwargs)
-        this = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if this is not None and not self._recorder.on_host(this):
-            if func in _HOST_METHODS:
-                raise RuntimeError(f"{_HOST_READ} a host read of a tensor, `{func.__name__}`)")
-            if func is torch.Tensor.cpu:
-                raise RuntimeError(f"{_HOST_READ} a copy to the host, `.cpu()`)")
-        elif this is not None and _copies_to_device(func, args[1:], kwargs):
-            raise RuntimeError(f"{_COPY} a CPU tensor copied to the device, `.to()`)")
-        return func(*args, **kwargs)
-
-    def _factory(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-        data = args[0] if args else kwargs.get("data")
-        if kwargs.get("device") is None and kwargs.get("out") is None:
-            self._recorder.making_host = True
-            try:
-                out = func(*args, **kwargs)
-            finally:
-                self._recorder.making_host = False
-            self._recorder.host_made(out)
-            return out
-        if func in _FROM_DATA and not isinstance(data, torch.Tensor):
-            raise RuntimeError(
-                f"{_COPY} a tensor made from Python data on the device, "
-                "`torch.tensor([...], device=...)`)"
-            )
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _cuda_capturing() -> Iterator[None]:
-    """On this thread, ``torch.cuda`` says a capture is in progress while a call is recorded
-    (other threads are left alone): code that skips its host checks during a CUDA capture
-    asks it (torchrl's distributions, torch's optimizers), and a synchronisation raises."""
-    thread = threading.get_ident()
-    originals = {
-        name: getattr(torch.cuda, name)
-        for name in ("is_available", "is_current_stream_capturing", "synchronize")
-    }
-
-    def capturing(original: Any) -> Any:
-        def query(*args: Any, **kwargs: Any) -> Any:
-            return threading.get_ident() == thread or original(*args, **kwargs)
-
-        return query
-
-    def synchronize(*args: Any, **kwargs: Any) -> None:
-        if threading.get_ident() == thread:
-            raise RuntimeError(f"{_HOST_READ} `torch.cuda.synchronize()`)")
-        originals["synchronize"](*args, **kwargs)
-
-    torch.cuda.is_available = capturing(originals["is_available"])
-    torch.cuda.is_current_stream_capturing = capturing(originals["is_current_stream_capturing"])
-    torch.cuda.synchronize = synchronize
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(torch.cuda, name, original)
 
 
 def _address(tensor: torch.Tensor) -> int:
@@ -253,27 +156,20 @@ def _address(tensor: torch.Tensor) -> int:
         return 0
 
 
-def _copies_to_device(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether a call of ``Tensor.cuda`` or ``Tensor.to`` names a device (else a dtype)."""
-    if func is torch.Tensor.cuda:
-        return True
-    targets = [*args, kwargs.get("device")]
-    return func is torch.Tensor.to and any(
-        isinstance(t, str | torch.device | torch.Tensor) for t in targets
-    )
-
-
 def _check_mixed(
     func: Any, on_host: list[torch.Tensor], written: list[torch.Tensor], host: Any
 ) -> None:
     """Refuse an operation between CPU tensors that the function made and the graph's
     tensors, as CUDA does, but for CPU scalars read as numbers."""
     if any(host(t) for t in written):
-        raise RuntimeError(f"{_COPY} a copy into a CPU tensor that the function made)")
+        raise RuntimeError(f"{COPY} a copy into a CPU tensor that the function made)")
     if func is _aten.copy_.default:
-        raise RuntimeError(f"{_COPY} a copy from a CPU tensor that the function made)")
+        raise RuntimeError(
+            f"{COPY} a copy from a CPU tensor that the function made, or of a number "
+            "assigned to one element, `x[0] = 0.0` on a 1-D `x`)"
+        )
     if any(t.dim() > 0 for t in on_host):
-        raise RuntimeError(_MIXED)
+        raise RuntimeError(MIXED)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -303,19 +199,59 @@ def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[t
     return written
 
 
-def _depends_on_values(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether an operation needs the count of values that a tensor holds: indexing with a
-    boolean mask (an assignment of one value is a ``masked_fill_`` on CUDA), or repeats
-    given by a tensor without their total."""
-    if func is _aten.repeat_interleave.Tensor:
-        return kwargs.get("output_size") is None and (len(args) < 2 or args[1] is None)
-    if func is _aten.index.Tensor or func in _INDEX_PUTS:
-        indices = args[1] if len(args) > 1 else ()
-        masks = any(
-            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
-        )
-        return masks and (func is _aten.index.Tensor or args[2].numel() != 1)
-    return False
+def _host_read(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """What an operation that CUDA runs with a read of tensor values on the host reads."""
+    if func is _aten._local_scalar_dense.default:
+        return "a host read of a tensor's value, `.item()`"
+    if func in _DATA_DEPENDENT:
+        return "an output shape that depends on values"
+    if func is _aten.repeat_interleave.Tensor and _size_not_given(args, kwargs):
+        return "an output shape that depends on values, `repeat_interleave`"
+    if func is _aten.equal.default and _compares_values(args[0], args[1]):
+        return "a host read of tensors' values, `torch.equal`"
+    return None
+
+
+def _size_not_given(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``repeat_interleave``'s call leaves its output's size to a read of values."""
+    return kwargs.get("output_size") is None and (len(args) < 2 or args[1] is None)
+
+
+def _compares_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``torch.equal(a, b)`` reads values: unless their shapes differ, they are empty,
+    or they are the same view of the same memory (a shortcut of CUDA's `equal` too)."""
+    same_view = _same_memory(a, b) and (a.storage_offset(), a.stride(), a.dtype) == (
+        b.storage_offset(),
+        b.stride(),
+        b.dtype,
+    )
+    return a.shape == b.shape and a.numel() > 0 and not same_view
+
+
+def _check_indexing(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], host: Any) -> None:
+    """Refuse an indexing that a CUDA capture refuses, as CUDA's indexing decides
+    (``_index_put_impl_``, ``make_info`` in TensorAdvancedIndexing.cpp): an assignment of a
+    CPU value (a Python number, `x[...] = 0.0`) with one boolean mask is a ``masked_fill_``;
+    else a CPU value, or CPU indices, are copied to the device, and a mask's count of values
+    is read on the host."""
+    indices = [i for i in args[1] if isinstance(i, torch.Tensor)]
+    masks = [i for i in indices if i.dtype in (torch.bool, torch.uint8)]
+    if func in _INDEX_PUTS:
+        value = args[2]
+        accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+        if host(value) and value.numel() == 1:
+            if not accumulate and len(indices) == len(masks) == 1 and not host(masks[0]):
+                return
+            if value.dim() == 0:
+                raise RuntimeError(f"{COPY} a number assigned at tensor indices, `x[idx] = 0.0`)")
+        if host(value):
+            raise RuntimeError(MIXED)
+    if host(args[0]):
+        raise RuntimeError(f"{COPY} a CPU tensor that the function made, indexed by the graph's)")
+    if any(host(i) for i in indices):
+        raise RuntimeError(f"{COPY} an index tensor that the function made on the CPU)")
+    if masks:
+        raise RuntimeError(f"{HOST_READ} an output shape that depends on values, a mask)")
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1,0 +1,225 @@
+"""What the emulation's recording sees above the dispatcher: the device a call names.
+
+A dispatch mode sees ATen operations, but not the Python calls that decide where a tensor
+lives: a factory without ``device=`` makes a CPU tensor in a GPU run too, ``torch.tensor``
+of Python data on the device is a copy from the host, ``x[i] = 0.0`` assigns a Python number
+through a CPU tensor, and some reads of values (``tolist``, printing) run no ATen operation.
+``HostCalls``, a ``TorchFunctionMode`` (the recording thread's alone), tells the recorder
+which tensors are such CPU tensors and refuses what a CUDA capture refuses, with the phrase
+of CUDA's error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ._compat import default_device_set
+
+HOST_READ = "operation not permitted when stream is capturing (the emulation of"
+COPY = "Cannot copy between CPU and CUDA tensors during CUDA graph capture (the emulation of"
+MIXED = (
+    "Expected all tensors to be on the same device (the emulation of a CPU tensor that the "
+    "function made without `device=`, used with the graph's tensors)"
+)
+
+# Tensor methods that read values on the host without an ATen operation.
+_HOST_METHODS = {
+    torch.Tensor.tolist,
+    torch.Tensor.numpy,
+    torch.Tensor.__repr__,
+    torch.Tensor.__format__,
+    torch.Tensor.__array__,
+}
+# Functions that make a tensor on the default device (the CPU) unless given `device=`.
+_FACTORIES = {
+    torch.tensor,
+    torch.as_tensor,
+    torch.asarray,
+    torch.scalar_tensor,
+    torch.ones,
+    torch.zeros,
+    torch.empty,
+    torch.empty_strided,
+    torch.full,
+    torch.arange,
+    torch.linspace,
+    torch.logspace,
+    torch.eye,
+    torch.tril_indices,
+    torch.triu_indices,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+    torch.normal,
+    torch.hann_window,
+    torch.hamming_window,
+    torch.blackman_window,
+    torch.bartlett_window,
+    torch.kaiser_window,
+}
+# Functions that always make a CPU tensor, from host memory.
+_FROM_HOST_MEMORY = {torch.from_numpy, torch.frombuffer}
+_FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
+_INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
+# The Python values that `x[index] = value` turns into a CPU tensor of `x`'s dtype.
+_NUMBERS = (bool, int, float, complex)
+
+
+class Host(Protocol):
+    """The recorder's view of CPU tensors (`_recording.Recorder`)."""
+
+    def on_host(self, tensor: torch.Tensor) -> bool: ...
+
+    def make_on_host(self, func: Any, *args: Any, **kwargs: Any) -> Any: ...
+
+
+class HostCalls(TorchFunctionMode):
+    """Sees the calls that a dispatch mode cannot: host reads and copies, and the device
+    that a factory or an assignment puts a tensor on."""
+
+    def __init__(self, host: Host):
+        super().__init__()
+        self._host = host
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _FACTORIES:
+            return self._factory(func, args, kwargs, data=args[0] if args else kwargs.get("data"))
+        if func in _FROM_HOST_MEMORY:
+            return self._host.make_on_host(func, *args, **kwargs)
+        this = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if this is None:
+            return func(*args, **kwargs)
+        on_host = self._host.on_host(this)
+        if func in _INDEXING and _has_list(args[1]):
+            # torch makes the index tensor of a list on the indexed tensor's device: a copy
+            # to the device, or CPU work (a CPU tensor, indexed by CPU tensors, given one).
+            if not on_host:
+                raise RuntimeError(f"{COPY} a Python list used as an index, `x[[0, 2]]`)")
+            if all(self._host.on_host(t) for t in _nested_tensors(list(args[1:]))):
+                return self._host.make_on_host(func, *args, **kwargs)
+        if func is torch.Tensor.__setitem__ and isinstance(args[2], _NUMBERS):
+            # As torch does for a CUDA tensor (python_variable_indexing.cpp): the number
+            # becomes a CPU tensor, which the assignment copies or reads (see `_recording`).
+            number = self._host.make_on_host(torch.scalar_tensor, args[2], dtype=this.dtype)
+            return func(this, args[1], number)
+        if func is torch.Tensor.new_tensor:  # on `this` tensor's device, unless told
+            made_on_host = kwargs.get("device") is None and on_host
+            self._check_data(args[1] if len(args) > 1 else kwargs.get("data"), made_on_host)
+            if made_on_host:
+                return self._host.make_on_host(func, *args, **kwargs)
+        if not on_host:
+            if func in _HOST_METHODS:
+                raise RuntimeError(f"{HOST_READ} a host read of a tensor, `{func.__name__}`)")
+            if func is torch.Tensor.cpu:
+                raise RuntimeError(f"{HOST_READ} a copy to the host, `.cpu()`)")
+        elif _copies_to_device(func, args[1:], kwargs):
+            raise RuntimeError(f"{COPY} a CPU tensor copied to the device, `.to()`)")
+        return func(*args, **kwargs)
+
+    def _factory(self, func: Any, args: Any, kwargs: dict[str, Any], data: Any) -> Any:
+        # Without `device=`, a factory makes its tensor on the default device: the CPU,
+        # unless the caller has set another (`torch.set_default_device`, `with device:`).
+        device = kwargs.get("device")
+        on_host = device is None and kwargs.get("out") is None and not default_device_set()
+        if func in _FROM_DATA:
+            if isinstance(data, torch.Tensor) and device is None and not default_device_set():
+                return func(*args, **kwargs)  # on the data's device
+            self._check_data(data, on_host)
+        elif any(not self._host.on_host(t) for t in _nested_tensors([*args, *kwargs.values()])):
+            # A graph's tensor read as a number (`torch.full((3,), x.sum())`, which the
+            # recorder refuses), or an operation on it (`torch.normal(mean=x)`).
+            return func(*args, **kwargs)
+        if on_host:
+            return self._host.make_on_host(func, *args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _check_data(self, data: Any, on_host: bool) -> None:
+        """Refuse the data of ``torch.tensor(data)`` that CUDA cannot use in a capture:
+        values of the graph's tensors, read on the host, or a copy from the host to the
+        device (the tensor is not ``on_host``)."""
+        if isinstance(data, torch.Tensor):
+            if self._host.on_host(data) and not on_host:
+                raise RuntimeError(f"{COPY} a CPU tensor copied to the device)")
+            if on_host and not self._host.on_host(data):
+                raise RuntimeError(f"{HOST_READ} a copy to the host)")
+            return
+        if any(not self._host.on_host(t) for t in _nested_tensors(data)):
+            raise RuntimeError(
+                f"{HOST_READ} a tensor made of other tensors' values, `torch.tensor([t, ...])`;"
+                " `torch.stack` makes it on the device)"
+            )
+        if not on_host:
+            raise RuntimeError(
+                f"{COPY} a tensor made from Python data on the device, "
+                "`torch.tensor([...], device=...)`)"
+            )
+
+
+@contextlib.contextmanager
+def cuda_capturing() -> Iterator[None]:
+    """On this thread, ``torch.cuda`` says a capture is in progress while a call is recorded
+    (other threads are left alone): code that skips its host checks during a CUDA capture
+    asks it (torchrl's distributions, torch's optimizers), and a synchronisation raises."""
+    thread = threading.get_ident()
+    originals = {
+        name: getattr(torch.cuda, name)
+        for name in ("is_available", "is_current_stream_capturing", "synchronize")
+    }
+
+    def capturing(original: Any) -> Any:
+        def query(*args: Any, **kwargs: Any) -> Any:
+            return threading.get_ident() == thread or original(*args, **kwargs)
+
+        return query
+
+    def synchronize(*args: Any, **kwargs: Any) -> None:
+        if threading.get_ident() == thread:
+            raise RuntimeError(f"{HOST_READ} `torch.cuda.synchronize()`)")
+        originals["synchronize"](*args, **kwargs)
+
+    torch.cuda.is_available = capturing(originals["is_available"])
+    torch.cuda.is_current_stream_capturing = capturing(originals["is_current_stream_capturing"])
+    torch.cuda.synchronize = synchronize
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch.cuda, name, original)
+
+
+def _copies_to_device(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a call of ``Tensor.cuda`` or ``Tensor.to`` names a device (else a dtype)."""
+    if func is torch.Tensor.cuda:
+        return True
+    targets = [*args, kwargs.get("device")]
+    return func is torch.Tensor.to and any(
+        isinstance(t, str | torch.device | torch.Tensor) for t in targets
+    )
+
+
+def _nested_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value``, in nested lists and tuples too (a factory's data)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, tuple | list):
+        return [t for item in value for t in _nested_tensors(item)]
+    return []
+
+
+def _has_list(index: Any) -> bool:
+    """Whether an index holds a list that torch turns into an index tensor (a list of
+    numbers; a list of slices, tensors or lists is read as a tuple of indices, as NumPy)."""
+    if isinstance(index, list) and not any(isinstance(i, _INDEX_ITEMS) for i in index):
+        return True
+    return isinstance(index, tuple | list) and any(isinstance(i, list) for i in index)
+
+
+_INDEX_ITEMS = (torch.Tensor, slice, type(None), type(Ellipsis), list, tuple)
