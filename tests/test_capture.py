@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from .conftest import Backend, current_runner
 
@@ -166,6 +167,19 @@ HOST_SYNCS: dict[str, Callable[[torch.Tensor], Any]] = {
     "new-tensor-of-python-data": lambda y: y.new_tensor([1.0, 2.0, 3.0]),
     "factory-filled-with-a-device-value": lambda y: torch.full((3,), y.sum()),
     "equal": lambda y: torch.equal(y, y * 2),
+    "allclose": lambda y: torch.allclose(y, y * 2),
+    # CUDA kernels that read a value on the host (torch 2.11): a 0-dim value tensor of the
+    # graph given to `masked_fill` or `index_fill`, the range of `histc` (by default), the
+    # error codes of `torch.linalg`'s checked routines, the number of classes of `one_hot`.
+    "device-value-of-masked-fill": lambda y: y.masked_fill(y > 0, y.sum()),
+    "device-value-of-index-fill": lambda y: y.index_fill(
+        0, torch.zeros(1, dtype=torch.long, device=y.device), y.sum()
+    ),
+    "histc-range-read-from-the-values": lambda y: torch.histc(y, bins=4),
+    "linalg-error-check": lambda y: torch.linalg.cholesky(
+        torch.outer(y, y) + torch.eye(3, device=y.device)
+    ),
+    "one-hot-classes-read-from-the-values": lambda y: F.one_hot((y > 0).long()),
 }
 
 

@@ -98,6 +98,8 @@ class HostCalls(TorchFunctionMode):
         if this is None:
             return func(*args, **kwargs)
         on_host = self._host.on_host(this)
+        if func is torch.nn.functional.one_hot and not on_host:
+            return _one_hot(this, *args[1:], **kwargs)
         if func in _INDEXING and _has_list(args[1]):
             # torch makes the index tensor of a list on the indexed tensor's device: a copy
             # to the device, or CPU work (a CPU tensor, indexed by CPU tensors, given one).
@@ -203,6 +205,20 @@ def _copies_to_device(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
     return func is torch.Tensor.to and any(
         isinstance(t, str | torch.device | torch.Tensor) for t in targets
     )
+
+
+def _one_hot(indices: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
+    """``F.one_hot`` as CUDA computes it: the CPU's reads of the indices' range on the host
+    (``.item()``) are not done, but a number of classes read from them (the default) is."""
+    if num_classes == -1 and indices.numel() > 0:
+        raise RuntimeError(
+            f"{HOST_READ} a host read of the number of classes, `F.one_hot(x)`;"
+            " give it `num_classes`)"
+        )
+    if num_classes < 0 or indices.dtype != torch.long:
+        return torch.nn.functional.one_hot(indices, num_classes)  # torch's error
+    one_hot = torch.zeros(*indices.shape, num_classes, dtype=torch.long, device=indices.device)
+    return one_hot.scatter_(-1, indices.unsqueeze(-1), 1)
 
 
 def _nested_tensors(value: Any) -> list[torch.Tensor]:

@@ -41,6 +41,15 @@ _DATA_DEPENDENT = {
     _aten.unique_dim_consecutive.default,
     _aten.bincount.default,
 }
+# ATen operations whose CUDA kernel reads a 0-dim tensor argument (at this position) with
+# `.item()`: a host read when it is the graph's tensor, not when it is a CPU tensor (torch
+# 2.11; pytorch#190512 proposes a device read for `masked_fill`).
+_READS_VALUE = {
+    _aten.masked_fill.Tensor: 2,
+    _aten.masked_fill_.Tensor: 2,
+    _aten.index_fill.int_Tensor: 3,
+    _aten.index_fill_.int_Tensor: 3,
+}
 _INDEX_PUTS = {_aten.index_put_.default, _aten.index_put.default, _aten._index_put_impl_.default}
 _INDEXING = {_aten.index.Tensor, *_INDEX_PUTS}
 
@@ -70,7 +79,7 @@ class Recorder(TorchDispatchMode):
             _check_indexing(func, args, kwargs, self.on_host)
         elif on_host:
             _check_mixed(func, on_host, _written(func, args, kwargs), self.on_host)
-        read = _host_read(func, args, kwargs)
+        read = _host_read(func, args, kwargs, self.on_host)
         if read:
             raise RuntimeError(f"{HOST_READ} {read})")
         # Writes into memory that existed before the call (parameters, optimizer state, and
@@ -199,7 +208,7 @@ def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[t
     return written
 
 
-def _host_read(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+def _host_read(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], host: Any) -> str | None:
     """What an operation that CUDA runs with a read of tensor values on the host reads."""
     if func is _aten._local_scalar_dense.default:
         return "a host read of a tensor's value, `.item()`"
@@ -209,7 +218,29 @@ def _host_read(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str 
         return "an output shape that depends on values, `repeat_interleave`"
     if func is _aten.equal.default and _compares_values(args[0], args[1]):
         return "a host read of tensors' values, `torch.equal`"
+    if func is _aten.allclose.default:
+        return "a host read of tensors' values, `torch.allclose`"
+    if func in _READS_VALUE and not host(args[_READS_VALUE[func]]):
+        return (
+            f"a host read of a tensor's value, the value given to `{func.__name__.split('.')[0]}`"
+            ", which CUDA reads with `.item()`; `torch.where` reads it on the device"
+        )
+    if func is _aten._linalg_check_errors.default:
+        return (
+            "a host read of the error codes of `torch.linalg`'s `cholesky`, `inv` or `solve`;"
+            " their `_ex` forms, such as `torch.linalg.cholesky_ex`, leave them on the device"
+        )
+    if func is _aten.histc.default and _range_not_given(args, kwargs):
+        return "a host read of the range of `torch.histc`; give it `min` and `max`"
     return None
+
+
+def _range_not_given(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``histc``'s call leaves its range to a read of the values' minimum and maximum
+    (``min == max``, as by default)."""
+    low = args[2] if len(args) > 2 else kwargs.get("min", 0)
+    high = args[3] if len(args) > 3 else kwargs.get("max", 0)
+    return bool(low == high and args[0].numel() > 0)
 
 
 def _size_not_given(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
