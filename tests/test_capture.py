@@ -209,6 +209,27 @@ def test_capture_failure_is_explained_and_leaves_a_clean_context(
     assert graphed.is_captured
 
 
+def test_a_generator_of_the_functions_own_fails_the_capture(backend: Backend) -> None:
+    # A capture gives its graph an offset into the default generator only: torch refuses to
+    # advance another one while capturing (its replays would draw the same numbers).
+    generator = torch.Generator(device=backend.device)
+    noise = {"generator": generator}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x + torch.randn(x.shape, device=x.device, **noise)
+
+    graphed = backend.wrap(fn, warmup=2)
+    graphed(backend.randn(3))
+    with pytest.raises(RuntimeError, match=re.escape("could not capture")) as info:
+        graphed(backend.randn(3))
+    assert "draws random numbers from a `torch.Generator` of its own" in str(info.value)
+    _assert_not_capturing(backend)
+    noise.clear()  # the default generator: new numbers at each replay
+    x = backend.randn(3)
+    first, second = graphed(x), graphed(x)
+    assert not torch.equal(first, second)
+
+
 def test_cpu_output_is_refused_on_cuda(cuda: Backend) -> None:
     graphed = cuda.wrap(lambda x: (x * 2, torch.zeros(2)), warmup=1)
     with pytest.raises(RuntimeError, match=re.escape("(output[1] is on cpu)")):

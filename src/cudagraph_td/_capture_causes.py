@@ -50,6 +50,13 @@ CAPTURE_CAUSES = (
         "GPU and its update is recorded.",
     ),
     (
+        ("for a CUDA generator not in capture mode",),
+        "the function draws random numbers from a `torch.Generator` of its own, which a "
+        "graph cannot advance at its replays: draw them from the default generator "
+        "(`torch.manual_seed` seeds it; each graph gets its own offset into it), or draw "
+        "them outside the function and pass them in.",
+    ),
+    (
         ("backward through the graph a second time",),
         "the function ran a backward and returned a tensor of that graph that still "
         "requires grad (a loss without `.detach()`?): return `loss.detach()` from a function "

@@ -23,6 +23,10 @@ from ._compat import default_device_set
 
 HOST_READ = "operation not permitted when stream is capturing (the emulation of"
 COPY = "Cannot copy between CPU and CUDA tensors during CUDA graph capture (the emulation of"
+GENERATOR = (
+    "Attempt to increase offset for a CUDA generator not in capture mode. (the emulation of "
+    "random numbers drawn from a `torch.Generator` of the function's own)"
+)
 MIXED = (
     "Expected all tensors to be on the same device (the emulation of a CPU tensor that the "
     "function made without `device=`, used with the graph's tensors)"
@@ -98,6 +102,8 @@ class HostCalls(TorchFunctionMode):
         if this is None:
             return func(*args, **kwargs)
         on_host = self._host.on_host(this)
+        if not on_host:
+            _check_generator(kwargs)
         if func is torch.nn.functional.one_hot and not on_host:
             return _one_hot(this, *args[1:], **kwargs)
         if func in _INDEXING and _has_list(args[1]):
@@ -138,9 +144,11 @@ class HostCalls(TorchFunctionMode):
         elif any(not self._host.on_host(t) for t in _nested_tensors([*args, *kwargs.values()])):
             # A graph's tensor read as a number (`torch.full((3,), x.sum())`, which the
             # recorder refuses), or an operation on it (`torch.normal(mean=x)`).
+            _check_generator(kwargs)
             return func(*args, **kwargs)
         if on_host:
             return self._host.make_on_host(func, *args, **kwargs)
+        _check_generator(kwargs)
         return func(*args, **kwargs)
 
     def _check_data(self, data: Any, on_host: bool) -> None:
@@ -195,6 +203,16 @@ def cuda_capturing() -> Iterator[None]:
     finally:
         for name, original in originals.items():
             setattr(torch.cuda, name, original)
+
+
+def _check_generator(kwargs: dict[str, Any]) -> None:
+    """Refuse a draw of random numbers for the graph from a generator other than the default
+    one: a capture gives its graph an offset into the default CUDA generator alone (torch
+    refuses to advance an unregistered one while capturing)."""
+    generator = kwargs.get("generator")
+    defaults = (torch.default_generator, *torch.cuda.default_generators)
+    if generator is not None and not any(generator is d for d in defaults):
+        raise RuntimeError(GENERATOR)
 
 
 def _copies_to_device(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
