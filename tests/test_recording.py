@@ -60,9 +60,6 @@ CPU_WORK: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "one-hot-with-its-number-of-classes": lambda x: F.one_hot((x[:, :2] > 0).long().sum(-1), 3) * x,
     "masked-fill-with-a-cpu-value": lambda x: x.masked_fill(x > 0, torch.tensor(2.0)),
     "histc-with-its-range": lambda x: torch.histc(x, bins=4, min=-3.0, max=3.0),
-    "linalg-without-its-error-check": lambda x: (
-        torch.linalg.cholesky_ex(x.T @ x + torch.eye(3, device=x.device)).L
-    ),
     "repeat-interleave-with-its-size": lambda x: x.repeat_interleave(
         torch.full((4,), 2, device=x.device), dim=0, output_size=8
     ),
