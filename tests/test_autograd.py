@@ -84,6 +84,21 @@ def test_graphed_callables_replay_forward_and_backward_without_python(backend: B
     assert net.runs == runs
 
 
+def test_a_recurrent_network_trains_through_the_graph(backend: Backend) -> None:
+    # oneDNN's LSTM kernel (the CPU's) returns its workspace for the backward in grad mode
+    # only: the emulation replays each recorded operation in the grad mode of its capture.
+    net = nn.LSTM(4, 8, batch_first=True).to(backend.device)
+    twin = copy.deepcopy(net)
+    graphed = backend.wrap(lambda x: net(x)[0], warmup=2)
+    for _ in range(4):
+        x = backend.randn(2, 5, 4)
+        out, expected = graphed(x), twin(x)[0]
+        torch.testing.assert_close(out, expected)
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+    _assert_grads_equal(net, twin)
+
+
 def test_gradients_accumulate_as_in_eager(backend: Backend) -> None:
     # torch's own returns its static gradient buffers (pytorch#181723): two backward passes
     # then accumulate into aliased memory. Ours are fresh.

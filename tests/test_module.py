@@ -193,6 +193,34 @@ def test_module_under_no_grad_and_load_state_dict(backend: Backend) -> None:
     assert graphed.state_dict().keys() == net.state_dict().keys()
 
 
+def test_graph_captured_under_inference_mode(backend: Backend) -> None:
+    # Inputs made under `torch.inference_mode()` are inference tensors: no version counters,
+    # writable only in that mode. The graph is fed them, and later ones made outside it.
+    net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2)).to(backend.device)
+    total = torch.zeros(2, device=backend.device)
+
+    def step(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        h.mul_(0.5)  # an input updated in place: the caller's tensor receives it
+        y = net(x) + h
+        total.add_(y.sum(0))  # state updated by each call
+        return y
+
+    graphed = backend.wrap(step, warmup=2)
+    expected_total = torch.zeros(2, device=backend.device)
+    for inference in (True, True, True, False, True):
+        with torch.inference_mode(inference), torch.no_grad():
+            x, h = backend.randn(5, 3), backend.randn(5, 2)
+            assert x.is_inference() == inference
+            h_eager = h.clone()
+            expected = net(x) + h_eager.mul_(0.5)
+            expected_total += expected.sum(0)
+            out = graphed(x, h)
+            torch.testing.assert_close(out, expected)
+            torch.testing.assert_close(h, h_eager)
+            assert graphed.is_captured or graphed.counter < 3
+    torch.testing.assert_close(total, expected_total)
+
+
 def test_state_dict_of_a_function() -> None:
     graphed = CudaGraphModule(lambda x: x, backend="emulate")
     assert graphed.state_dict() == {}

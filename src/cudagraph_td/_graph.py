@@ -89,7 +89,7 @@ def capture(
     signature = Signature(name, args, kwargs, backend.device, allow_grad=grad)
     inputs = signature.read(args, kwargs)
     assert inputs is not None
-    versions = [version(t) for t in inputs]
+    versions = _versions(inputs)
     observed = _training.Observation(fn)
     try:
         result = backend.warmup(lambda: fn(*args, **kwargs))
@@ -99,7 +99,7 @@ def capture(
         raise _errors_state.step_output_requires_grad(name, path)
     # The function wrote into these inputs (their version counters moved): each replay
     # copies them back to the caller's tensors.
-    mutated = [i for i, (t, v) in enumerate(zip(inputs, versions, strict=True)) if version(t) != v]
+    mutated = _written(inputs, versions)
     if grad and _path_requiring_grad(result):
         # Autograd holds the parameters it differentiates: they are followed by identity too.
         follow = functools.partial(observed.state, name, identity=True)
@@ -117,10 +117,16 @@ def capture(
         static_args, static_kwargs = signature.static_tree()
         return fn(*static_args, **static_kwargs)
 
+    static_versions = _versions(signature.static_inputs)
     try:
         graph, static_out = observed.record(lambda: backend.capture(run_static, like=result))
     except Exception as err:
         raise _errors.capture_failure(name, "capture the graph", err) from err
+    # Inference tensors (made under `torch.inference_mode()`) count no versions: whether the
+    # function writes into one is read from the graph's own copy of it, which counts them.
+    unknown = [i for i, v in enumerate(versions) if v is None]
+    written = set(_written(signature.static_inputs, static_versions))
+    mutated += [i for i in unknown if i in written]
     outputs = Outputs(name, static_out, backend.device)
     watch = observed.watch(name)
     if watch is not None and backend.reruns_python:
@@ -128,6 +134,17 @@ def capture(
     # A training step's optimizers hold its parameters: followed by identity too.
     state = observed.state(name, identity=watch is not None)
     return GraphCall(signature, graph, outputs, mutated, watch, state), result
+
+
+def _versions(tensors: Sequence[torch.Tensor]) -> list[int | None]:
+    """The tensors' version counters; ``None`` for inference tensors, which have none."""
+    return [None if t.is_inference() else version(t) for t in tensors]
+
+
+def _written(tensors: Sequence[torch.Tensor], versions: list[int | None]) -> list[int]:
+    """The indices of the tensors whose version counter moved past ``versions``."""
+    pairs = enumerate(zip(tensors, versions, strict=True))
+    return [i for i, (t, v) in pairs if v is not None and version(t) != v]
 
 
 def _path_requiring_grad(tree: Any) -> str | None:

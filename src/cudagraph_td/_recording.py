@@ -21,6 +21,8 @@ work: their values are frozen at the capture.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -54,12 +56,19 @@ _INDEX_PUTS = {_aten.index_put_.default, _aten.index_put.default, _aten._index_p
 _INDEXING = {_aten.index.Tensor, *_INDEX_PUTS}
 
 
+# A recorded operation: the function, its arguments, its result at the capture, and the
+# modes it ran in (grad mode, inference mode). A replay runs it in them: some kernels return
+# more in grad mode (oneDNN's LSTM, its workspace), and the tensors made under inference
+# mode are inference tensors, which only that mode may write into.
+Op = tuple[Any, tuple[Any, ...], dict[str, Any], Any, tuple[bool, bool]]
+
+
 class Recorder(TorchDispatchMode):
     """Records the ATen operations of one call; undoes their writes to older tensors."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]] = []
+        self.ops: list[Op] = []
         self._made: set[int] = set()  # the storages that the recorded operations allocated
         self._saved: dict[int, tuple[Any, Any]] = {}  # storage address: (storage, its copy)
         self._host: set[int] = set()  # the storages of the CPU tensors that the call made
@@ -95,7 +104,8 @@ class Recorder(TorchDispatchMode):
             key = t.untyped_storage().data_ptr()
             if key not in inputs:
                 self._made.add(key)
-        self.ops.append((func, args, kwargs, out))
+        modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        self.ops.append((func, args, kwargs, out, modes))
         return out
 
     def on_host(self, tensor: torch.Tensor) -> bool:
@@ -133,16 +143,43 @@ class Recorder(TorchDispatchMode):
 class RecordedGraph:
     """The recorded operations of a call, replayed on the same tensors."""
 
-    def __init__(self, ops: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]]):
-        self._ops = ops
+    def __init__(self, ops: list[Op]):
+        # The operations in runs of one mode each, on detached aliases of their tensors (the
+        # same memory, without the autograd metadata that grad mode would check: a view of
+        # a `split` whose base a replay rewrote may not be read there).
+        memo: dict[int, torch.Tensor] = {}
+        self._runs = [
+            (modes, [_detached(op[:4], memo) for op in run])
+            for modes, run in itertools.groupby(ops, key=operator.itemgetter(4))
+        ]
 
     def replay(self) -> None:
-        with torch.no_grad(), below_autograd():
-            for func, args, kwargs, out in self._ops:
-                new = func(*args, **kwargs)
-                for old, fresh in zip(_tensors(out), _tensors(new), strict=True):
-                    if old is not fresh and not _same_memory(old, fresh):
-                        old.copy_(fresh)
+        grad = torch.is_grad_enabled()
+        try:
+            with below_autograd():  # no autograd graph: the capture's tensors are reused
+                for (enabled, inference), ops in self._runs:
+                    with torch._C._InferenceMode(inference):
+                        torch._C._set_grad_enabled(enabled)
+                        for func, args, kwargs, out in ops:
+                            new = func(*args, **kwargs)
+                            for old, fresh in zip(_tensors(out), _tensors(new), strict=True):
+                                if old is not fresh and not _same_memory(old, fresh):
+                                    old.copy_(fresh)
+        finally:
+            torch._C._set_grad_enabled(grad)
+
+
+def _detached(value: Any, memo: dict[int, torch.Tensor]) -> Any:
+    """``value`` with each tensor replaced by one detached alias of it (one per tensor)."""
+    if isinstance(value, torch.Tensor):
+        if id(value) not in memo:
+            memo[id(value)] = value.detach()
+        return memo[id(value)]
+    if isinstance(value, dict):
+        return {key: _detached(item, memo) for key, item in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_detached(item, memo) for item in value)
+    return value
 
 
 def record(fn: Callable[[], Any]) -> tuple[RecordedGraph, Any]:
