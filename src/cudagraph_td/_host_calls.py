@@ -111,7 +111,7 @@ class HostCalls(TorchFunctionMode):
             # to the device, or CPU work (a CPU tensor, indexed by CPU tensors, given one).
             if not on_host:
                 raise RuntimeError(f"{COPY} a Python list used as an index, `x[[0, 2]]`)")
-            if all(self._host.on_host(t) for t in _nested_tensors(list(args[1:]))):
+            if all(self._host.on_host(t) for t in tensors_in(list(args[1:]))):
                 return self._host.make_on_host(func, *args, **kwargs)
         if func is torch.Tensor.__setitem__ and isinstance(args[2], _NUMBERS):
             # As torch does for a CUDA tensor (python_variable_indexing.cpp): the number
@@ -141,7 +141,7 @@ class HostCalls(TorchFunctionMode):
             if isinstance(data, torch.Tensor) and device is None and not default_device_set():
                 return func(*args, **kwargs)  # on the data's device
             self._check_data(data, on_host)
-        elif any(not self._host.on_host(t) for t in _nested_tensors([*args, *kwargs.values()])):
+        elif any(not self._host.on_host(t) for t in tensors_in([*args, *kwargs.values()])):
             # A graph's tensor read as a number (`torch.full((3,), x.sum())`, which the
             # recorder refuses), or an operation on it (`torch.normal(mean=x)`).
             _check_generator(kwargs)
@@ -161,7 +161,7 @@ class HostCalls(TorchFunctionMode):
             if on_host and not self._host.on_host(data):
                 raise RuntimeError(f"{HOST_READ} a copy to the host)")
             return
-        if any(not self._host.on_host(t) for t in _nested_tensors(data)):
+        if any(not self._host.on_host(t) for t in tensors_in(data)):
             raise RuntimeError(
                 f"{HOST_READ} a tensor made of other tensors' values, `torch.tensor([t, ...])`;"
                 " `torch.stack` makes it on the device)"
@@ -239,12 +239,13 @@ def _one_hot(indices: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
     return one_hot.scatter_(-1, indices.unsqueeze(-1), 1)
 
 
-def _nested_tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in ``value``, in nested lists and tuples too (a factory's data)."""
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value``, in nested lists and tuples too (a factory's data, an
+    operation's arguments or results)."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, tuple | list):
-        return [t for item in value for t in _nested_tensors(item)]
+        return [t for item in value for t in tensors_in(item)]
     return []
 
 

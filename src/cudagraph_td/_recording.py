@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ._compat import TorchDispatchMode, below_autograd, op_arguments
-from ._host_calls import COPY, HOST_READ, MIXED, HostCalls, cuda_capturing
+from ._host_calls import COPY, HOST_READ, MIXED, HostCalls, cuda_capturing, tensors_in
 
 _aten = torch.ops.aten
 # ATen operations whose output shape depends on tensor values, read by the host.
@@ -77,7 +77,7 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        tensors = _tensors([*args, *kwargs.values()])
+        tensors = tensors_in([*args, *kwargs.values()])
         on_host = [t for t in tensors if self.on_host(t)]
         if self._making_host or (on_host and len(on_host) == len(tensors)):
             # CPU work, left out of the recording (see above).
@@ -100,7 +100,7 @@ class Recorder(TorchDispatchMode):
                 self._saved[key] = (storage, storage.clone())
         out = func(*args, **kwargs)
         inputs = {t.untyped_storage().data_ptr() for t in tensors}
-        for t in _tensors(out):  # memory the operation allocated (not a view of its inputs)
+        for t in tensors_in(out):  # memory the operation allocated (not a view of its inputs)
             key = t.untyped_storage().data_ptr()
             if key not in inputs:
                 self._made.add(key)
@@ -125,7 +125,7 @@ class Recorder(TorchDispatchMode):
     def _host_made(self, out: Any) -> None:
         """Mark the tensors of ``out`` as made on the CPU. They are kept until the recording
         ends, as the recorded operations keep theirs: no other tensor gets their address."""
-        for t in _tensors(out):
+        for t in tensors_in(out):
             key = _address(t)
             if key:  # not an empty tensor's, nor a tensor without storage
                 self._host.add(key)
@@ -162,7 +162,7 @@ class RecordedGraph:
                         torch._C._set_grad_enabled(enabled)
                         for func, args, kwargs, out in ops:
                             new = func(*args, **kwargs)
-                            for old, fresh in zip(_tensors(out), _tensors(new), strict=True):
+                            for old, fresh in zip(tensors_in(out), tensors_in(new), strict=True):
                                 if old is not fresh and not _same_memory(old, fresh):
                                     old.copy_(fresh)
         finally:
@@ -218,14 +218,6 @@ def _check_mixed(
         raise RuntimeError(MIXED)
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, tuple | list):
-        return [t for item in value for t in _tensors(item)]
-    return []
-
-
 # Batch norms update their running statistics (arguments 3 and 4) in training (argument 5)
 # without their schema saying so.
 _BATCH_NORMS = {_aten.native_batch_norm.default, _aten.cudnn_batch_norm.default}
@@ -235,13 +227,13 @@ def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[t
     """The tensors that ``func`` writes into (its mutable arguments)."""
     written: list[torch.Tensor] = []
     if func in _BATCH_NORMS and len(args) > 5 and args[5]:
-        written.extend(_tensors([args[3], args[4]]))
+        written.extend(tensors_in([args[3], args[4]]))
     for i, argument in enumerate(op_arguments(func)):
         alias = argument.alias_info
         if alias is None or not alias.is_write:
             continue
         value = kwargs.get(argument.name) if argument.kwarg_only or i >= len(args) else args[i]
-        written.extend(_tensors(value))
+        written.extend(tensors_in(value))
     return written
 
 
