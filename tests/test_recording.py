@@ -59,6 +59,7 @@ CPU_WORK: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "tuple-of-basic-indices": lambda x: x[(slice(None), 1)] * 2,
     "one-hot-with-its-number-of-classes": lambda x: F.one_hot((x[:, :2] > 0).long().sum(-1), 3) * x,
     "masked-fill-with-a-cpu-value": lambda x: x.masked_fill(x > 0, torch.tensor(2.0)),
+    "nonzero-of-a-static-size": lambda x: torch.nonzero_static(x > 0, size=6) * x.sum(),
     "histc-with-its-range": lambda x: torch.histc(x, bins=4, min=-3.0, max=3.0),
     "repeat-interleave-with-its-size": lambda x: x.repeat_interleave(
         torch.full((4,), 2, device=x.device), dim=0, output_size=8
