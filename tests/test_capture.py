@@ -121,10 +121,21 @@ def test_cpu_values_made_in_the_function_are_frozen_at_the_capture(backend: Back
         torch.testing.assert_close(graphed(x), x * 2 + noise)
 
 
-def test_a_cpu_tensor_made_in_the_function_fails_at_the_capture(backend: Backend) -> None:
+CPU_TENSORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "added": lambda x: x + torch.ones(3),
+    # A CPU scalar is a number to an elementwise operation, not to a concatenation.
+    "stacked-cpu-scalar": lambda x: torch.stack([x.sum(), torch.tensor(0.0)]),
+    "concatenated": lambda x: torch.cat([x, torch.zeros(1)]),
+}
+
+
+@pytest.mark.parametrize("case", list(CPU_TENSORS))
+def test_a_cpu_tensor_made_in_the_function_fails_at_the_capture(
+    backend: Backend, case: str
+) -> None:
     # `torch.ones(3)` is on the CPU in a GPU run: CUDA refuses to add it to a device tensor
     # (in the capturing call's eager run), the emulation at its recording.
-    graphed = backend.wrap(lambda x: x + torch.ones(3), warmup=1)
+    graphed = backend.wrap(CPU_TENSORS[case], warmup=1)
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device") as info:
         graphed(backend.randn(3))
     assert "make it on their device (`torch.ones(3, device=x.device)`)" in str(info.value)

@@ -52,6 +52,9 @@ _READS_VALUE = {
     _aten.index_fill.int_Tensor: 3,
     _aten.index_fill_.int_Tensor: 3,
 }
+# ATen operations that CUDA runs on tensors of one device only: a CPU scalar among them is
+# refused too (elementwise operations take it as a number).
+_ONE_DEVICE = {_aten.cat.default, _aten.stack.default}
 _INDEX_PUTS = {_aten.index_put_.default, _aten.index_put.default, _aten._index_put_impl_.default}
 _INDEXING = {_aten.index.Tensor, *_INDEX_PUTS}
 
@@ -214,7 +217,7 @@ def _check_mixed(
             f"{COPY} a copy from a CPU tensor that the function made, or of a number "
             "assigned to one element, `x[0] = 0.0` on a 1-D `x`)"
         )
-    if any(t.dim() > 0 for t in on_host):
+    if func in _ONE_DEVICE or any(t.dim() > 0 for t in on_host):
         raise RuntimeError(MIXED)
 
 
