@@ -121,6 +121,31 @@ def test_cpu_values_made_in_the_function_are_frozen_at_the_capture(backend: Back
         torch.testing.assert_close(graphed(x), x * 2 + noise)
 
 
+def test_cpu_state_made_in_a_warm_up_is_frozen_at_the_capture(backend: Backend) -> None:
+    # State that the function makes on its first call without `device=` (a counter here,
+    # Adagrad's step counts) is on the CPU in a GPU run too: the capture runs the CPU work on
+    # it once, and its replays use the value it had then.
+    state: dict[str, torch.Tensor] = {}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if "count" not in state:
+            state["count"] = torch.zeros(())
+        state["count"] += 1
+        return x * state["count"]
+
+    graphed = backend.wrap(fn, warmup=2)
+    x = backend.randn(3)
+    torch.testing.assert_close(graphed(x), x)  # the warm-up: count 1
+    torch.testing.assert_close(graphed(x), x * 2)  # the capturing call's eager run: count 2
+    for _ in range(3):  # the capture counted once more; the replays do not count
+        x = backend.randn(3)
+        torch.testing.assert_close(graphed(x), x * 3)
+    assert state["count"].device.type == "cpu"
+    assert state["count"].item() == 3
+    state["count"].fill_(10.0)  # a number to the captured kernel: its value at the capture
+    torch.testing.assert_close(graphed(x), x * 3)
+
+
 CPU_TENSORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "added": lambda x: x + torch.ones(3),
     # A CPU scalar is a number to an elementwise operation, not to a concatenation.

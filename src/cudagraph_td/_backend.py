@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from . import _compat, _errors, _recording, _sharing, _tree
+from . import _compat, _errors, _host_calls, _recording, _sharing, _tree
 from ._compat import (
     clear_cublas_workspaces,
     distributions_validate_args,
@@ -350,7 +350,8 @@ class EmulatedBackend:
         self.reruns_python = rerun
 
     def warmup(self, fn: Callable[[], T]) -> T:
-        with _compat.capturable_on_cpu():  # as CUDA graphs need (see `_compat`)
+        # Capturable optimizers (see `_compat`); the CPU tensors made marked (`HostMemory`).
+        with _compat.capturable_on_cpu(), _host_calls.EagerRunWatch():
             return fn()
 
     def for_autograd(self) -> EmulatedBackend:

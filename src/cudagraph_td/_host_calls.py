@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -134,19 +135,12 @@ class HostCalls(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _factory(self, func: Any, args: Any, kwargs: dict[str, Any], data: Any) -> Any:
-        # Without `device=`, a factory makes its tensor on the default device: the CPU,
-        # unless the caller has set another (`torch.set_default_device`, `with device:`).
-        device = kwargs.get("device")
-        on_host = device is None and kwargs.get("out") is None and not default_device_set()
+        on_host = makes_on_host(func, args, kwargs, self._host.on_host)
         if func in _FROM_DATA:
-            if isinstance(data, torch.Tensor) and device is None and not default_device_set():
+            same_device = kwargs.get("device") is None and not default_device_set()
+            if isinstance(data, torch.Tensor) and same_device:
                 return func(*args, **kwargs)  # on the data's device
             self._check_data(data, on_host)
-        elif any(not self._host.on_host(t) for t in tensors_in([*args, *kwargs.values()])):
-            # A graph's tensor read as a number (`torch.full((3,), x.sum())`, which the
-            # recorder refuses), or an operation on it (`torch.normal(mean=x)`).
-            _check_generator(kwargs)
-            return func(*args, **kwargs)
         if on_host:
             return self._host.make_on_host(func, *args, **kwargs)
         _check_generator(kwargs)
@@ -227,6 +221,82 @@ def _check_capturable(optimizer: torch.optim.Optimizer) -> None:
             f"{type(optimizer).__name__} but param_groups' capturable is False. (the "
             "emulation of torch's check of an optimizer's step in a CUDA capture)"
         )
+
+
+def makes_on_host(func: Any, args: Any, kwargs: dict[str, Any], host: Any) -> bool:
+    """Whether a call makes its tensor on the CPU in a GPU run too, as a factory without
+    ``device=`` does: on the default device, the CPU, unless the caller has set another
+    (`torch.set_default_device`, `with device:`). ``host`` tells the CPU tensors apart."""
+    if func in _FROM_HOST_MEMORY:
+        return True
+    if func not in _FACTORIES or kwargs.get("device") is not None or default_device_set():
+        return False
+    if func in _FROM_DATA:  # `torch.tensor(x)` is on `x`'s device
+        data = args[0] if args else kwargs.get("data")
+        return not isinstance(data, torch.Tensor) or host(data)
+    # Given a graph's tensor, a factory makes the graph's (`torch.normal(mean=x)`), or reads
+    # its value (`torch.full((3,), x.sum())`, which the recorder refuses); `out=` is one too.
+    return all(host(t) for t in tensors_in([*args, *kwargs.values()]))
+
+
+class HostMemory:
+    """The CPU tensors that wrapped functions made in their eager runs (warm-ups and
+    capturing calls), which a GPU run has on the CPU too: state made on the first call
+    (Adagrad's step counts, a counter made with `torch.zeros(())`). Held by their storages'
+    weak references, keyed by address: a storage freed leaves the set."""
+
+    def __init__(self) -> None:
+        self._storages: dict[int, Any] = {}
+
+    def add(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key:  # not an empty tensor's
+
+                def forget(ref: Any, key: int = key) -> None:
+                    if self._storages.get(key) is ref:
+                        del self._storages[key]
+
+                self._storages[key] = weakref.ref(storage, forget)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        if not self._storages:
+            return False
+        try:
+            storage = tensor.untyped_storage()
+        except (NotImplementedError, RuntimeError):  # a tensor without storage
+            return False
+        ref = self._storages.get(storage.data_ptr())
+        return ref is not None and ref() is storage
+
+
+HOST_MEMORY = HostMemory()
+
+
+class EagerRunWatch(TorchFunctionMode):
+    """Marks, in `HOST_MEMORY`, the CPU tensors that a function makes in an eager run (a
+    warm-up), and those computed from them alone."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if torch.compiler.is_compiling():  # traced by `torch.compile`: nothing to mark
+            return out
+        made = tensors_in(out)
+        if made and _made_on_host(func, args, kwargs):
+            HOST_MEMORY.add(made)
+        return out
+
+
+def _made_on_host(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether the result of an eager call is a CPU tensor in a GPU run too."""
+    if func in _FACTORIES or func in _FROM_HOST_MEMORY:
+        return makes_on_host(func, args, kwargs, HOST_MEMORY.holds)
+    if kwargs.get("device") is not None or _copies_to_device(func, args[1:], kwargs):
+        return False  # to a device (`x.new_zeros(3, device=...)`, `x.to(device)`)
+    given = tensors_in([*args, *kwargs.values()])
+    return bool(given) and all(HOST_MEMORY.holds(t) for t in given)
 
 
 def _check_generator(kwargs: dict[str, Any]) -> None:

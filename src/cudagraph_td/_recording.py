@@ -29,7 +29,15 @@ from typing import Any
 import torch
 
 from ._compat import TorchDispatchMode, below_autograd, op_arguments
-from ._host_calls import COPY, HOST_READ, MIXED, HostCalls, cuda_capturing, tensors_in
+from ._host_calls import (
+    COPY,
+    HOST_MEMORY,
+    HOST_READ,
+    MIXED,
+    HostCalls,
+    cuda_capturing,
+    tensors_in,
+)
 
 _aten = torch.ops.aten
 # ATen operations whose output shape depends on tensor values, read by the host.
@@ -108,12 +116,15 @@ class Recorder(TorchDispatchMode):
             if key not in inputs:
                 self._made.add(key)
         modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        if on_host:  # CPU tensors are numbers to a CUDA kernel: their values at the capture
+            args, kwargs = _frozen(args, self.on_host), _frozen(kwargs, self.on_host)
         self.ops.append((func, args, kwargs, out, modes))
         return out
 
     def on_host(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` would be on the CPU in a GPU run too (see above)."""
-        return bool(self._host) and _address(tensor) in self._host
+        """Whether ``tensor`` would be on the CPU in a GPU run too (see above), made by this
+        call or by an eager run of the function (`HOST_MEMORY`)."""
+        return (bool(self._host) and _address(tensor) in self._host) or HOST_MEMORY.holds(tensor)
 
     def make_on_host(self, func: Any, *args: Any, **kwargs: Any) -> Any:
         """Call a factory that makes its tensors on the CPU in a GPU run too."""
@@ -174,14 +185,28 @@ class RecordedGraph:
 
 def _detached(value: Any, memo: dict[int, torch.Tensor]) -> Any:
     """``value`` with each tensor replaced by one detached alias of it (one per tensor)."""
+
+    def alias(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            memo[id(t)] = t.detach()
+        return memo[id(t)]
+
+    return _map_tensors(value, alias)
+
+
+def _frozen(value: Any, host: Callable[[torch.Tensor], bool]) -> Any:
+    """``value`` with each CPU tensor (``host``) replaced by a copy of its value now."""
+    return _map_tensors(value, lambda t: t.clone() if host(t) else t)
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with ``fn`` applied to each tensor in it (in dicts, lists and tuples)."""
     if isinstance(value, torch.Tensor):
-        if id(value) not in memo:
-            memo[id(value)] = value.detach()
-        return memo[id(value)]
+        return fn(value)
     if isinstance(value, dict):
-        return {key: _detached(item, memo) for key, item in value.items()}
+        return {key: _map_tensors(item, fn) for key, item in value.items()}
     if type(value) in (list, tuple):
-        return type(value)(_detached(item, memo) for item in value)
+        return type(value)(_map_tensors(item, fn) for item in value)
     return value
 
 
