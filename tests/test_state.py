@@ -22,10 +22,21 @@ from .conftest import Backend, current_runner, requires_cuda, run_threads
 from .test_whole_step import _agent
 
 
+class Scale(nn.Module):
+    """Scales by a tensor attribute of its own, neither parameter nor buffer."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.scale = torch.full((2,), 0.5, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
 def _net(backend: Backend) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 2)).to(
-        backend.device
-    )
+    return nn.Sequential(
+        nn.Linear(4, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 2), Scale(backend.device)
+    ).to(backend.device)
 
 
 def _warm(graphed: CudaGraphModule, net: nn.Module, backend: Backend, calls: int = 3) -> None:
@@ -49,6 +60,9 @@ def _replace(net: nn.Sequential, how: str, backend: Backend) -> str:
     if how == "buffer":
         net[1].running_mean = torch.randn(16, device=backend.device)
         return "module[1].running_mean"
+    if how == "tensor-attribute":
+        net[4].scale = torch.full((2,), 3.0, device=backend.device)
+        return "module[4].scale"
     if how == "submodule":
         net[2] = nn.ReLU()  # no state of its own: only what the Sequential runs changed
         return "module[2]"
@@ -63,7 +77,17 @@ def _replace(net: nn.Sequential, how: str, backend: Backend) -> str:
     return "module[0].weight"
 
 
-REPLACEMENTS = ["attribute", "assign", "data", "buffer", "to", "submodule", "appended", "deleted"]
+REPLACEMENTS = [
+    "attribute",
+    "assign",
+    "data",
+    "buffer",
+    "tensor-attribute",
+    "to",
+    "submodule",
+    "appended",
+    "deleted",
+]
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
@@ -132,11 +156,16 @@ def test_a_graphed_callable_refuses_replaced_parameters(backend: Backend) -> Non
         graphed(backend.randn(5, 4))
 
 
-def test_a_module_that_rebinds_its_state_is_warned_at_capture(backend: Backend) -> None:
+@pytest.mark.parametrize("kind", ["buffer", "tensor-attribute"])
+def test_a_module_that_rebinds_its_state_is_warned_at_capture(backend: Backend, kind: str) -> None:
     class Counter(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.register_buffer("calls", torch.zeros((), device=backend.device))
+            calls = torch.zeros((), device=backend.device)
+            if kind == "buffer":
+                self.register_buffer("calls", calls)
+            else:
+                self.calls = calls
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             self.calls = self.calls + 1  # rebinds: a graph would read the capture's value

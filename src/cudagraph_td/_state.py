@@ -28,8 +28,8 @@ from torch import nn
 from . import _errors_state
 
 # Where a piece of state is bound: its path (for messages), the dict that holds it, its key
-# there, and what the key held at capture. The dict is a module's `_parameters` or
-# `_buffers`, an optimizer's `__dict__` (for its `state` and `param_groups`), or a dict of
+# there, and what the key held at capture. The dict is a module's `_parameters`, `_buffers`
+# or `__dict__`, an optimizer's `__dict__` (for its `state` and `param_groups`), or a dict of
 # its own for a tensor that nothing else binds (its address is still followed).
 Entry = tuple[str, Mapping[Any, Any], Any, Any]
 
@@ -48,15 +48,16 @@ RecaptureWarning.__module__ = "cudagraph_td"  # where users import it from
 
 
 def module_entries(path: str, module: nn.Module) -> Iterator[Entry]:
-    """The submodules, parameters and buffers of ``module`` and of its submodules, where
-    each is bound."""
+    """The submodules, parameters, buffers and tensor attributes (``self.scale =
+    torch.ones(3)``, neither parameter nor buffer) of ``module`` and of its submodules,
+    where each is bound."""
     for name, sub in module.named_modules():
         where = path + "".join(map(_part, name.split("."))) if name else path
         for key, child in sub._modules.items():
             yield where + _part(key), sub._modules, key, child
-        for holder in (sub._parameters, sub._buffers):
+        for holder in (sub._parameters, sub._buffers, sub.__dict__):
             for key, value in holder.items():
-                if value is not None:
+                if isinstance(value, torch.Tensor):
                     yield f"{where}.{key}", holder, key, value
 
 
