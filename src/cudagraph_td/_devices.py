@@ -3,9 +3,9 @@
 A graph reads and writes one device's memory, and replays on that device's current stream.
 A call whose inputs sit on another CUDA device than the wrapper's graphs gets graphs of its
 own there (warmed up and captured on that device's side stream), when the function can
-follow: none of the parameters, buffers or optimizer state it reaches sits on another CUDA
-device. When it cannot, the call raises before anything runs, naming the input and the
-state that disagree (an eager call would fail inside the function).
+follow: none of the parameters, buffers, tensor attributes or optimizer state it reaches
+sits on another CUDA device. When it cannot, the call raises before anything runs, naming
+the input and the state that disagree (an eager call would fail inside the function).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from . import _errors, _training, _tree
+from ._state import modules_entries
 
 
 def call_device(args: tuple[Any, ...], kwargs: dict[str, Any], fixed: Any) -> torch.device:
@@ -48,10 +49,7 @@ def check_follows(
     """Raise if ``fn`` reaches state on another CUDA device than ``device``, where a call
     asks for new graphs while the wrapper's others are on ``home``."""
     optimizers, modules = _training.find_state(fn)
-    tensors: list[tuple[str, torch.Tensor]] = []
-    for path, module in modules.items():
-        for kind in (module.named_parameters(), module.named_buffers()):
-            tensors.extend((f"{path}.{pname}", t) for pname, t in kind)
+    tensors = [(e[0], e[3]) for e in modules_entries(modules) if isinstance(e[3], torch.Tensor)]
     for path, opt in optimizers.items():
         for i, state in enumerate(opt.state.values()):
             tensors.extend(
