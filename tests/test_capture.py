@@ -122,9 +122,9 @@ def test_cpu_values_made_in_the_function_are_frozen_at_the_capture(backend: Back
 
 
 def test_cpu_state_made_in_a_warm_up_is_frozen_at_the_capture(backend: Backend) -> None:
-    # State that the function makes on its first call without `device=` (a counter here,
-    # Adagrad's step counts) is on the CPU in a GPU run too: the capture runs the CPU work on
-    # it once, and its replays use the value it had then.
+    # State that the function makes on its first call without `device=` (a counter here) is
+    # on the CPU in a GPU run too: the capture runs the CPU work on it once, and its replays
+    # use the value it had then.
     state: dict[str, torch.Tensor] = {}
 
     def fn(x: torch.Tensor) -> torch.Tensor:

@@ -241,9 +241,9 @@ def makes_on_host(func: Any, args: Any, kwargs: dict[str, Any], host: Any) -> bo
 
 class HostMemory:
     """The CPU tensors that wrapped functions made in their eager runs (warm-ups and
-    capturing calls), which a GPU run has on the CPU too: state made on the first call
-    (Adagrad's step counts, a counter made with `torch.zeros(())`). Held by their storages'
-    weak references, keyed by address: a storage freed leaves the set."""
+    capturing calls), which a GPU run has on the CPU too: state made on the first call (a
+    counter made with `torch.zeros(())`). Held by their storages' weak references, keyed by
+    address: a storage freed leaves the set."""
 
     def __init__(self) -> None:
         self._storages: dict[int, Any] = {}
