@@ -106,6 +106,26 @@ def time_cpu(calls: dict[str, Callable[[], Any]], bursts: int, burst: int = 16) 
     return {name: statistics.median(t) / burst * 1e6 for name, t in per_burst.items()}
 
 
+def bracketed(call: Callable[[], Any]) -> Any:
+    """``call()`` (a warm-up, capture or compilation), between clears of cuBLAS's workspaces,
+    as torch.compile's CUDA graph trees bracket each recording.
+
+    torch caches cuBLAS's workspaces by stream, and hands its pool's streams out again every
+    32: a graph captured on a stream whose workspace another graph made uses memory that it
+    does not own (pytorch#193402). Here tensordict's class captured on the stream of
+    ``torch.cuda.graph`` (workload d), whose next capture (torch's ``make_graphed_callables``,
+    e) took that workspace; once a clear and ``torch.cuda.empty_cache()`` gave it back to the
+    driver, its replays faulted. Cleared before and after each of the tools' captures, no
+    workspace outlives the capture that made it. cudagraph_td needs none of this (its graphs
+    use workspaces of their own), and clears nothing itself.
+    """
+    torch._C._cuda_clearCublasWorkspaces()
+    try:
+        return call()
+    finally:
+        torch._C._cuda_clearCublasWorkspaces()
+
+
 def grad_context(workload: workloads.Workload) -> AbstractContextManager[Any]:
     return torch.no_grad() if workload.no_grad else nullcontext()
 
@@ -120,9 +140,9 @@ def build(
         if only is not None and name not in only:
             continue
         try:
-            call = make()
+            call = bracketed(make)
             for _ in range(5):  # past any warm-up, capture or compilation
-                call()
+                bracketed(call)
             sync()
         except Exception as err:  # a tool that cannot run this workload
             skipped[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
@@ -176,9 +196,9 @@ def capture_cost(workload: workloads.Workload) -> dict[str, Any]:
             allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
             start = time.perf_counter()
             try:
-                call = make()
+                call = bracketed(make)
                 for _ in range(3):  # warmup=2: a warm-up, the capture, the first replay
-                    call()
+                    bracketed(call)
                 sync()
             except Exception as err:
                 costs[name] = {"error": f"{type(err).__name__}: {str(err)[:160]}"}

@@ -5,6 +5,10 @@ trees and tensordict's ``CudaGraphModule``. None may break another, nor random o
 from __future__ import annotations
 
 import copy
+import os
+import pathlib
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -14,7 +18,7 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
 
-from cudagraph_td import CudaGraphModule, make_graphed_callables
+from cudagraph_td import CudaGraphModule, capture_stream, make_graphed_callables
 
 from .conftest import requires_cuda
 
@@ -148,3 +152,44 @@ def test_every_kind_of_graph_lives_beside_the_others() -> None:
             _eager_work()
             torch.cuda.synchronize()
             assert not torch.cuda.is_current_stream_capturing(), (round_, i)
+
+
+@requires_cuda
+def test_captures_leave_alone_the_workspaces_that_other_graphs_use() -> None:
+    # torch's graphs may use a cuBLAS workspace that they do not own (see the script): a
+    # capture of this library clears no workspace, so it frees none under them.
+    script = pathlib.Path(__file__).with_name("workspace_owners.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, str(script), "cudagraph_td"], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+@requires_cuda
+def test_a_workspace_made_elsewhere_on_the_capture_stream_is_not_captured() -> None:
+    # Cleared (by torch.compile's trees, say), then made again by eager work on the capture
+    # stream (a stream of torch's pool is handed out again every 32 streams), the stream's
+    # workspace is ordinary memory: a graph captured with it would write into other tensors.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1)).cuda()
+    graphed = CudaGraphModule(net, warmup=2)
+    x = torch.randn(128, 64, device="cuda")
+    stream = capture_stream()
+    with torch.no_grad():
+        graphed(x)  # the warm-up
+        torch._C._cuda_clearCublasWorkspaces()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            net(x)  # eager products on the capture stream: a workspace in ordinary memory
+        torch.cuda.current_stream().wait_stream(stream)
+        graphed(x)  # the capture
+        torch._C._cuda_clearCublasWorkspaces()  # that workspace goes back to tensors
+        with torch.cuda.stream(stream):  # the allocator reuses a block on its stream
+            fillers = [torch.full((n << 20,), float("nan"), device="cuda") for n in (8, 8, 1)]
+        torch.cuda.current_stream().wait_stream(stream)
+        for _ in range(3):
+            x = torch.randn(128, 64, device="cuda")
+            torch.testing.assert_close(graphed(x), net(x))
+    torch.cuda.synchronize()
+    assert all(bool(f.isnan().all()) for f in fillers), "a replay wrote into other tensors"

@@ -61,6 +61,35 @@ def test_cublas_workspaces_can_be_cleared() -> None:
     torch.testing.assert_close(a @ a, (a.double() @ a.double()).float(), rtol=1e-4, atol=1e-4)
 
 
+@requires_cuda
+def test_pool_blocks_lists_the_allocated_blocks_of_one_pool() -> None:
+    # `pool_blocks` reads `torch.cuda.memory_snapshot(mempool_id=...)`; the workspace logic
+    # of `_sharing` tells from it whether a clear freed its workspaces.
+    pool = torch.cuda.graph_pool_handle()
+    device = torch.device("cuda", torch.cuda.current_device())
+    outside = torch.empty(1 << 20, device=device)
+    graph = torch.cuda.CUDAGraph()
+    graph.capture_begin(pool=pool)
+    kept = torch.empty(1 << 20, device=device)
+    freed = torch.empty(3 << 20, device=device)
+    kept.fill_(1.0), freed.fill_(2.0)
+    graph.capture_end()
+    blocks = _compat.pool_blocks(device, pool)
+    assert kept.data_ptr() in blocks and freed.data_ptr() in blocks
+    assert outside.data_ptr() not in blocks
+    del freed
+    assert _compat.pool_blocks(device, pool) == {kept.data_ptr()}
+
+
+@requires_cuda
+def test_raw_stream_is_the_current_streams_handle() -> None:
+    assert _compat.raw_stream is not None
+    side = torch.cuda.Stream()
+    assert _compat.raw_stream(0) == torch.cuda.current_stream(0).cuda_stream
+    with torch.cuda.stream(side):
+        assert _compat.raw_stream(0) == side.cuda_stream
+
+
 def test_interaction_type_reads_the_same_mode_as_the_public_function() -> None:
     assert _compat.interaction_type() == public_interaction_type()
     for mode in InteractionType:

@@ -145,21 +145,23 @@ def test_a_first_capture_before_any_matrix_product_in_the_process() -> None:
 def test_a_failed_workspace_priming_leaves_the_capture_its_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    products = _sharing.products
+    products = _sharing._products
 
-    def failing(device: torch.device) -> None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("priming failed")
-        products(device)
+    def failing(operand: torch.Tensor) -> dict[str, Any]:
+        def fail() -> None:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("priming failed")
 
-    monkeypatch.setattr(_sharing, "products", failing)
+        return {kind: fail for kind in products(operand)}
+
+    monkeypatch.setattr(_sharing, "_products", failing)
     net = _policy()
     with torch.no_grad():
         graphed = _captured(net)
         assert not torch.cuda.is_current_stream_capturing()
         x = torch.randn(32, 17, device="cuda")
         torch.testing.assert_close(graphed(x), net(x))
-    monkeypatch.setattr(_sharing, "products", products)
+    monkeypatch.setattr(_sharing, "_products", products)
     with torch.no_grad():  # the next priming takes a new pool
         other_net = _policy()
         other = _captured(other_net)

@@ -15,9 +15,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _errors, _tree
-from ._backend import Backend, Graph
-from ._compat import foreach_copy_, graph_replay
+from . import _errors, _sharing, _tree
+from ._backend import Backend, CudaBackend, Graph
+from ._compat import foreach_copy_, graph_replay, raw_stream
 from ._outputs import Outputs
 from ._signature import Signature
 from ._state import State
@@ -65,6 +65,9 @@ class _GraphedFunction(torch.autograd.Function):
         n = len(call.static_inputs)
         if n:
             foreach_copy_(call.static_inputs, inputs[:n])
+        order = call.order  # after the device's last replay: they share cuBLAS's workspace
+        if order is not None and order.raw != raw_stream(order.device):  # type: ignore[misc]
+            order.follow()
         call.replay_forward()
         call.generation += 1
         ctx.call, ctx.generation = call, call.generation
@@ -82,6 +85,10 @@ class _GraphedFunction(torch.autograd.Function):
             raise _errors.stale_backward(call.name)
         with torch.no_grad():
             foreach_copy_(call.static_grad_outputs, [grads[i] for i in call.differentiable])
+        # On the forward's stream, which another replay may have followed since.
+        order = call.order
+        if order is not None and order.raw != raw_stream(order.device):  # type: ignore[misc]
+            order.follow()
         call.replay_backward()
         # Fresh memory: gradients accumulated over two backward passes must not alias.
         fresh = [None if g is None else g.clone() for g in call.static_grad_inputs]
@@ -122,8 +129,10 @@ class DifferentiableCall:
         forward: ForwardGraph,
         backward: BackwardGraph,
         state: State | None,
+        order: _sharing.ReplayOrder | None = None,
     ):
         self.name = name
+        self.order = order  # the device's replay order (see `_sharing`); None off CUDA
         self.signature = signature
         self.state = state
         self.static_inputs = signature.static_inputs
@@ -327,8 +336,11 @@ class Capture:
             slots[i] = slot
         slots += [len(self.grad_inputs) + k for k in range(len(self._params))]
         backward = BackwardGraph(graph, grad_outputs, tuple(grads), slots)
+        order = None
+        if isinstance(self.backend, CudaBackend):
+            order = _sharing.replay_order(self.backend.device.index)
         self.call = DifferentiableCall(
-            self.name, self.signature, self.mutated, self._params, forward, backward, state
+            self.name, self.signature, self.mutated, self._params, forward, backward, state, order
         )
         self._forward = None
         return self.call

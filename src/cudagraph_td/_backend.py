@@ -19,11 +19,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from . import _compat, _errors, _host_calls, _recording, _sharing, _tree
-from ._compat import (
-    clear_cublas_workspaces,
-    distributions_validate_args,
-    end_allocate_to_pool,
-)
+from ._compat import distributions_validate_args, end_allocate_to_pool
 
 T = TypeVar("T")
 
@@ -48,14 +44,8 @@ def make_backend(
     pool: Any,
     capture_error_mode: str,
     inputs: Any,
-    *,
-    share_workspace: bool = False,
 ) -> Backend:
-    """The backend called ``name``; a CUDA one on ``device``, else on the inputs' device.
-
-    ``share_workspace``: whether its plain graphs use the device's shared cuBLAS workspace
-    (see `_sharing`), for an owner that orders its replays with every other wrapper's.
-    """
+    """The backend called ``name``; a CUDA one on ``device``, else on the inputs' device."""
     if name == "emulate":
         return EmulatedBackend(device)
     if device is None:
@@ -70,20 +60,17 @@ def make_backend(
         )
     if device is None or device.index is None:  # "cuda" alone means the current device
         device = torch.device("cuda", torch.cuda.current_device())
-    return CudaBackend(device, pool, capture_error_mode, share_workspace=share_workspace)
+    return CudaBackend(device, pool, capture_error_mode)
 
 
 def backend_factory(
     name: str, device: torch.device | None, pool: Any, capture_error_mode: str, agreement: Any
 ) -> Callable[[tuple[Any, ...], dict[str, Any]], Backend]:
-    """What makes a wrapper's backend from the inputs of its first call (see `make_backend`):
-    its replays are ordered device-wide, so its plain graphs share the device's workspace.
+    """What makes a wrapper's backend from the inputs of its first call (see `make_backend`).
     ``agreement``: the ranks' `_distributed.Agreement` of a DDP step, else None."""
 
     def make(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Backend:
-        backend = make_backend(
-            name, device, pool, capture_error_mode, (args, kwargs), share_workspace=True
-        )
+        backend = make_backend(name, device, pool, capture_error_mode, (args, kwargs))
         if isinstance(backend, CudaBackend):
             backend.agreement = agreement
         elif isinstance(backend, EmulatedBackend) and agreement is not None:
@@ -152,7 +139,8 @@ class SharedPool:
 
 
 class CudaBackend:
-    """Warm-up and capture on the device's side stream, into the given memory pool.
+    """Warm-up and capture on the device's side stream, into the given memory pool, with the
+    device's shared cuBLAS workspace (see `_sharing`).
 
     ``pool`` is the pool of the owner's graphs: a ``SharedPool``, a handle the user gave,
     or ``None`` for a new one per capture.
@@ -165,13 +153,10 @@ class CudaBackend:
         device: torch.device,
         pool: Any = None,
         capture_error_mode: str = "global",
-        *,
-        share_workspace: bool = False,
     ):
         self.device = device
         self.pool = pool
         self.capture_error_mode = capture_error_mode
-        self.share_workspace = share_workspace
         # For a DDP step: the ranks tell each other how their captures went (`_distributed`).
         self.agreement: Any = None
         # A side stream: the warm-up runs off the caller's stream so that lazy
@@ -187,16 +172,20 @@ class CudaBackend:
     def for_autograd(self) -> CudaBackend:
         """The backend of a forward and backward pair: a pool of their own, unless the user
         gave one. What the forward saves for the backward stays in the pool between the two
-        replays, while the owner's other graphs may replay and reuse the pool's free memory.
-        And a workspace of their own: autograd replays the backward, out of the device's
-        replay order."""
+        replays, while the owner's other graphs may replay and reuse the pool's free memory."""
         pool = None if isinstance(self.pool, SharedPool) else self.pool
         return CudaBackend(self.device, pool, self.capture_error_mode)
 
     def warmup(self, fn: Callable[[], T]) -> T:
+        # The warm-up uses the shared workspace eagerly: after every replay on the device,
+        # and before any later one (the caller's stream waits for it, and is the device's
+        # last replay stream from now on).
+        _sharing.ordered(self.device.index)
         current = torch.cuda.current_stream(self.device)
         self._side_stream.wait_stream(current)
         with torch.cuda.stream(self._side_stream), _no_autocast_cache():
+            if not torch.cuda.is_current_stream_capturing():  # else inside another's capture
+                _sharing.workspace(self.device).ensure()
             out = fn()
         current.wait_stream(self._side_stream)
         return out
@@ -205,15 +194,6 @@ class CudaBackend:
         # No work queued before the capture may still be running when it begins: in the
         # "global" error mode another stream's work would make the capture fail.
         torch.cuda.synchronize(self.device)
-        # cuBLAS keeps a workspace per stream, made at its first use. The warm-up ran on this
-        # stream, so its workspace lies outside every pool: a graph recorded with it would
-        # write into freed memory once anything clears cuBLAS workspaces, as torch.compile's
-        # CUDA graph trees do around each recording. Cleared here, the capture uses the
-        # device's shared one (made in a pool of its own, see `_sharing`) or makes its own,
-        # in the graph's pool; cleared again after it, so that no later eager work on this
-        # stream uses a graph's (in a pool shared by several graphs, the next capture on
-        # this stream reuses it).
-        clear_cublas_workspaces()
         graph = torch.cuda.CUDAGraph()
         # A garbage collection during the capture can free tensors of other streams, whose
         # deallocation is illegal while a stream captures (pytorch#161037): hold it off.
@@ -232,8 +212,9 @@ class CudaBackend:
             pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
         try:
             with torch.cuda.stream(self._capture_stream), _no_autocast_cache():
-                if self.share_workspace:
-                    self._prime_workspace()
+                # The graph records the workspace's address: one of the library's own, never
+                # one that another graph or eager work made (see `_sharing`).
+                _sharing.workspace(self.device).ensure()
                 graph.capture_begin(pool=pool, capture_error_mode=self.capture_error_mode)
                 try:
                     out = fn()
@@ -253,36 +234,12 @@ class CudaBackend:
                 self.agreement.outcome(err)
             raise
         finally:
-            clear_cublas_workspaces()
             torch.distributions.Distribution.set_default_validate_args(validate_args)
             if gc_was_enabled:
                 gc.enable()
         if self.agreement is not None:  # raises if another rank's capture failed
             self.agreement.outcome(None)
         return graph, out
-
-    def _prime_workspace(self) -> None:
-        """Make the capture stream's cuBLAS workspaces in the device's workspace pool, for the
-        capture that follows to use (see `_sharing`). If that fails, it makes its own."""
-        # cuBLAS creates a thread's handles at first use, which no capture admits: the first
-        # time, the products run outside one (their workspaces, outside every pool, are
-        # cleared again).
-        if not _sharing.has_handles(self.device):
-            _sharing.products(self.device)
-            _sharing.mark_handles(self.device)
-            clear_cublas_workspaces()
-        pool = _sharing.workspace_pool(self.device)
-        graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(pool=pool, capture_error_mode=self.capture_error_mode)
-        try:
-            _sharing.products(self.device)
-            graph.capture_end()
-        except Exception:
-            self._end_failed_capture(graph, pool)
-            _sharing.retire(self.device)
-            clear_cublas_workspaces()
-            return
-        _sharing.adopt(self.device, graph)
 
     def _end_failed_capture(self, graph: torch.cuda.CUDAGraph, pool: Any) -> None:
         """Take the capture stream out of capture mode after the function raised inside it."""

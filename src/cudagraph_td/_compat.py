@@ -78,11 +78,35 @@ def graph_replay(graph: Any) -> Callable[[], None]:
 def clear_cublas_workspaces() -> None:
     """Free cuBLAS's per-stream workspaces, as torch's CUDA graph trees do around a recording.
 
-    ``torch._C._cuda_clearCublasWorkspaces``: no public function does this.
+    ``torch._C._cuda_clearCublasWorkspaces``: no public function does this, nor frees the
+    workspaces of one stream alone (torch 2.11 and 2.13).
     """
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
         clear()
+
+
+def pool_blocks(device: torch.device, pool: Any) -> frozenset[int]:
+    """The addresses of the allocated blocks of the graph memory pool ``pool`` on ``device``.
+
+    From ``torch.cuda.memory_snapshot`` (public), whose ``mempool_id`` argument (torch 2.11
+    and 2.13) limits it to the pool's segments; filtered here too, in case a version lists
+    every segment. Each segment names its pool (``segment_pool_id``), each block its state.
+    """
+    segments = torch.cuda.memory_snapshot(mempool_id=pool, include_traces=False)
+    return frozenset(
+        block["address"]
+        for segment in segments
+        if segment["device"] == device.index and tuple(segment["segment_pool_id"]) == tuple(pool)
+        for block in segment["blocks"]
+        if block["state"] == "active_allocated"
+    )
+
+
+raw_stream: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+"""The handle of a device's current stream as an int (CUDA builds of torch 2.11 and 2.13):
+``torch.cuda.current_stream(device).cuda_stream`` builds a ``Stream`` object first, which the
+replay path, comparing it at each call, does without."""
 
 
 def end_allocate_to_pool(device: torch.device, pool: Any) -> None:

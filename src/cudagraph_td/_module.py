@@ -24,7 +24,7 @@ from . import (
 )
 from ._backend import SharedPool, backend_factory, check_options
 from ._buckets import BucketGraphs
-from ._compat import interaction_type
+from ._compat import interaction_type, raw_stream
 from ._modes import Mode, any_autocast, autocast_state
 from ._replay import MISS
 from ._shapes import not_captured
@@ -35,7 +35,6 @@ Graphs = _shapes.Graphs
 
 # Read at every call, so bound once.
 _is_grad_enabled = torch.is_grad_enabled
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds only
 
 
 class CudaGraphModule(tensordict.nn.CudaGraphModule):
@@ -230,7 +229,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         self._lock.acquire()
         try:
             order = self._order
-            if order is not None and order.raw != _raw_stream(order.device):  # type: ignore[misc]
+            if order is not None and order.raw != raw_stream(order.device):  # type: ignore[misc]
                 order.follow()  # a call on another stream than the device's last replay
             interaction, grad, training, autocast, replay, hits = self._last
             if (

@@ -1,18 +1,30 @@
-"""What the graphs of the wrappers on one device share: a cuBLAS workspace, and so an order.
+"""What the graphs of the wrappers on one device share: a capture stream, a cuBLAS workspace,
+and so an order.
 
-cuBLAS gives each (handle, stream) pair a workspace (32 MiB on Hopper), which the caching
-allocator makes at its first use. A capture that makes it puts it in the graph's pool, so
-that each wrapper, with a pool of its own, would hold its own 32 MiB (50 policies: 1.6 GiB).
-A graph may not use a workspace made outside every pool either: torch.compile's CUDA graph
-trees free the workspaces around each recording, and the freed memory goes to other
-tensors, which the graph's replays would then overwrite.
+cuBLAS gives each (handle, stream) pair a workspace (32 MiB on Hopper), cached by torch and
+made at the pair's first use: in a graph's pool when that use is inside a capture, else in
+ordinary memory. A graph writes into the workspace it was captured with, at its address, at
+every replay. Three hazards follow, and the `Workspace` below avoids each:
 
-So the wrappers' graphs share one workspace per device, made by a small capture into a pool
-that holds nothing else (see `CudaBackend`): freed, by whoever clears the workspaces, its memory
-stays in that pool, where only the next workspace can take it. Graphs that share memory
-must not run at the same time: every wrapper's replay is ordered after the last replay on
-its device (``ReplayOrder``), and all wrappers take ``REPLAY_LOCK`` for a call, so
-that no thread's replay slips between another's order check and its launch.
+- A capture that finds a workspace made elsewhere uses it without owning it: made in another
+  graph's pool, it is freed with the last user of that pool; made by eager work, it goes back
+  to ordinary tensors. Either way the graph then writes into memory that is not its own
+  (torch's graphs do this whenever two captures share a stream, pytorch#193402). So every
+  capture of this library uses workspaces that its own priming capture made, in a pool that
+  holds nothing else and lives for the process.
+- Anything may clear torch's cache of workspaces (``torch._C._cuda_clearCublasWorkspaces``:
+  torch.compile's CUDA graph trees do it around each recording). Freed, a workspace of the
+  library's pool stays in that pool, where only the next workspace can take it.
+- Clearing the cache frees the workspaces that *other* graphs use, which a graph that found
+  one made elsewhere does not own: the library never clears it, unless its own stream's entry
+  was made by someone else (a stream of torch's pool is handed out again every 32 streams, to
+  tensordict's class, torch's ``make_graphed_callables``...), the one case where nothing else
+  removes it.
+
+Graphs that share memory must not run at the same time: every wrapper's replay, and every
+warm-up (which uses the workspace eagerly), is ordered after the last replay on its device
+(``ReplayOrder``); and all wrappers take ``REPLAY_LOCK`` for a call, so that no thread's
+replay slips between another's order check and its launch.
 """
 
 from __future__ import annotations
@@ -22,60 +34,182 @@ from typing import Any
 
 import torch
 
+from ._compat import clear_cublas_workspaces, end_allocate_to_pool, pool_blocks
+
 REPLAY_LOCK = threading.RLock()
 """The lock of every wrapper's call (re-entrant: a function may call another wrapper)."""
 
-# Per device: the workspace pool's handle, and the first priming graph, which keeps the pool
-# usable (torch cannot capture into a pool whose graphs were all freed; see `SharedPool`).
-_workspace_pools: dict[torch.device, tuple[Any, torch.cuda.CUDAGraph | None]] = {}
-# The anchors of pools given up after a failed priming: graphs may still use their workspace.
-_retired: list[Any] = []
+
+def _mm(x: torch.Tensor) -> None:
+    torch.mm(x, x)  # cuBLAS
 
 
-def workspace_pool(device: torch.device) -> Any:
-    """The handle of ``device``'s workspace pool, which holds nothing but workspaces."""
-    known = _workspace_pools.get(device)
+def _mm_bias(x: torch.Tensor) -> None:
+    torch.nn.functional.linear(x, x, x[0])  # cuBLASLt, which keeps workspaces of its own
+
+
+class _InBackward(torch.autograd.Function):
+    """Runs a product in its backward, which autograd runs on a thread of its own per device
+    (with its own cuBLAS handle): a training step captured whole runs its backward there."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, product: Any) -> torch.Tensor:
+        ctx.product = product
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.product(grad)
+        return grad, None
+
+
+def _in_backward(product: Any, operand: torch.Tensor) -> None:
+    with torch.inference_mode(False), torch.enable_grad():
+        x = operand.detach().requires_grad_()
+        torch.autograd.grad(_InBackward.apply(x, product), x, grad_outputs=operand)
+
+
+def _products(operand: torch.Tensor) -> dict[str, Any]:
+    """A product per kind of cuBLAS workspace, each of which makes it on the current stream,
+    by this thread (its results are freed at once) or by autograd's."""
+    return {
+        "cublas": lambda: _mm(operand),
+        "cublaslt": lambda: _mm_bias(operand),
+        "autograd cublas": lambda: _in_backward(_mm, operand),
+        "autograd cublaslt": lambda: _in_backward(_mm_bias, operand),
+    }
+
+
+def _owner(kind: str) -> object:
+    """Whose workspace a kind makes: autograd's thread (one per device), or the caller."""
+    return "autograd" if kind.startswith("autograd") else _thread.token
+
+
+class _Thread(threading.local):
+    """Per thread (torch keeps cuBLAS handles per thread): the devices where its handles
+    exist, and a token that names the thread in a `Workspace`'s records."""
+
+    def __init__(self) -> None:
+        self.handles: set[torch.device] = set()
+        self.token = object()
+
+
+_thread = _Thread()
+
+
+class Workspace:
+    """The cuBLAS workspaces of the capture stream on one device, in a pool of their own.
+
+    ``ensure()``, on the capture stream before each warm-up and capture, makes sure that the
+    current thread's workspaces of that stream are blocks of this pool that a priming made:
+    if a clear freed them (their blocks are free), a priming capture makes them again; if the
+    stream's entry was made elsewhere (a priming finds a workspace and makes none), the
+    cache is cleared, the one way to drop it, and the priming runs again.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        # Every priming capture, kept: torch cannot capture into a pool whose graphs were all
+        # freed, and newer versions drop a stream's workspaces when a graph captured on it
+        # is freed.
+        self._primings: list[torch.cuda.CUDAGraph] = []
+        # Per (thread, kind): the blocks of the workspace that the thread's last priming made.
+        self._owned: dict[tuple[object, str], frozenset[int]] = {}
+        with torch.inference_mode(False):  # a tensor that autograd can differentiate
+            self._operand = torch.ones(8, 8, device=device)
+        self._lock = threading.Lock()
+
+    def ensure(self) -> None:
+        """Make the current stream's cuBLAS workspaces of this thread blocks of this pool."""
+        with self._lock:
+            if self._owned_alive():
+                return
+            self._make_handles()
+            try:
+                if self._prime():
+                    return
+                # The stream's entry was made elsewhere: only a clear removes it.
+                self._forget()
+                if self._prime():
+                    return
+            except Exception:
+                pass
+            # A priming that fails (out of memory, say) leaves the capture to make a
+            # workspace of its own, in its pool: nothing made elsewhere is left to it.
+            self._forget()
+
+    def _forget(self) -> None:
+        clear_cublas_workspaces()
+        for kind in _products(self._operand):
+            self._owned.pop((_owner(kind), kind), None)
+
+    def _owned_alive(self) -> bool:
+        owned = [self._owned.get((_owner(kind), kind)) for kind in _products(self._operand)]
+        if any(blocks is None for blocks in owned):
+            return False
+        alive = pool_blocks(self.device, self.pool)
+        return all(blocks <= alive for blocks in owned if blocks is not None)
+
+    def _make_handles(self) -> None:
+        """cuBLAS's handles of this thread: made on first use, which no capture admits. Made
+        by products on the device's default stream (whose workspaces are ordinary memory,
+        as any eager product would make them)."""
+        if self.device not in _thread.handles:
+            with torch.cuda.stream(torch.cuda.default_stream(self.device)):
+                for product in _products(self._operand).values():
+                    product()
+            _thread.handles.add(self.device)
+
+    def _prime(self) -> bool:
+        """Capture a product of each kind into the pool; False if one found a workspace that
+        this thread's primings did not make."""
+        alive = pool_blocks(self.device, self.pool)
+        for kind, product in _products(self._operand).items():
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=self.pool)
+            try:
+                product()  # its result is freed at once: only the workspace stays allocated
+            except BaseException:
+                self._abandon(graph)
+                raise
+            graph.capture_end()
+            self._primings.append(graph)
+            now = pool_blocks(self.device, self.pool)
+            made, alive = frozenset(now - alive), now
+            key = (_owner(kind), kind)
+            if made:
+                # Blocks that another thread's priming made were freed since, by a clear of
+                # that thread's workspaces too: its record no longer says they are its own.
+                for other in [k for k, blocks in self._owned.items() if blocks & made]:
+                    del self._owned[other]
+                self._owned[key] = made
+            elif key not in self._owned or not self._owned[key] <= alive:
+                return False
+        return True
+
+    def _abandon(self, graph: torch.cuda.CUDAGraph) -> None:
+        """End a failed priming capture. The pool then counts as recording still, and takes
+        no other capture: the next priming takes a new one (the graphs that use this one's
+        workspaces hold it)."""
+        try:
+            graph.capture_end()
+        except RuntimeError:
+            end_allocate_to_pool(self.device, self.pool)
+        self._primings.append(graph)
+        self.pool = torch.cuda.graph_pool_handle()
+        self._owned.clear()
+
+
+_workspaces: dict[torch.device, Workspace] = {}
+
+
+def workspace(device: torch.device) -> Workspace:
+    """The workspace of the capture stream on ``device``."""
+    known = _workspaces.get(device)
     if known is None:
-        known = _workspace_pools[device] = (torch.cuda.graph_pool_handle(), None)
-    return known[0]
-
-
-# The devices on which this thread has cuBLAS handles (see `CudaBackend`): per thread, as
-# torch keeps them.
-_handles = threading.local()
-
-
-def has_handles(device: torch.device) -> bool:
-    """Whether this thread made cuBLAS's handles on ``device`` (see `mark_handles`)."""
-    return device in _handles.__dict__.get("devices", ())
-
-
-def mark_handles(device: torch.device) -> None:
-    """Note that this thread has cuBLAS handles on ``device``: no capture can create them."""
-    _handles.__dict__.setdefault("devices", set()).add(device)
-
-
-def products(device: torch.device) -> None:
-    """Matrix products that make the current stream's cuBLAS and cuBLASLt workspaces: run in
-    a capture into the workspace pool (see `CudaBackend`), they make them there."""
-    a = torch.ones(8, 8, device=device)
-    torch.mm(a, a)  # cuBLAS
-    torch.nn.functional.linear(a, a, a[0])  # cuBLASLt, for a product with a bias
-
-
-def adopt(device: torch.device, graph: torch.cuda.CUDAGraph) -> None:
-    """Keep ``graph``, a priming capture, as the pool's anchor if it has none yet."""
-    handle, anchor = _workspace_pools[device]
-    if anchor is None:
-        _workspace_pools[device] = (handle, graph)
-
-
-def retire(device: torch.device) -> None:
-    """After a failed priming capture (the pool counts as recording still): the next priming
-    takes a new pool; the old one's anchor stays alive, for the graphs that use it."""
-    known = _workspace_pools.pop(device, None)
-    if known is not None:
-        _retired.append(known[1])
+        known = _workspaces[device] = Workspace(device)
+    return known
 
 
 # One side stream per device, for every backend (see `CudaBackend`). The caching allocator
