@@ -69,12 +69,9 @@ def test_pool_blocks_lists_the_allocated_blocks_of_one_pool() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     outside = torch.empty(1 << 20, device=device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(torch.cuda.Stream()):  # no capture on the default stream
-        graph.capture_begin(pool=pool)
-        kept = torch.empty(1 << 20, device=device)
-        freed = torch.empty(3 << 20, device=device)
-        kept.fill_(1.0), freed.fill_(2.0)
-        graph.capture_end()
+    with torch.cuda.graph(graph, pool=pool):
+        kept = torch.ones(1 << 20, device=device)
+        freed = torch.ones(3 << 20, device=device)
     blocks = _compat.pool_blocks(device, pool)
     assert kept.data_ptr() in blocks and freed.data_ptr() in blocks
     assert outside.data_ptr() not in blocks
