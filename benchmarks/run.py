@@ -116,8 +116,9 @@ def bracketed(call: Callable[[], Any]) -> Any:
     ``torch.cuda.graph`` (workload d), whose next capture (torch's ``make_graphed_callables``,
     e) took that workspace; once a clear and ``torch.cuda.empty_cache()`` gave it back to the
     driver, its replays faulted. Cleared before and after each of the tools' captures, no
-    workspace outlives the capture that made it. cudagraph_td needs none of this (its graphs
-    use workspaces of their own), and clears nothing itself.
+    workspace outlives the capture that made it (and `workloads` keeps torch's warm-ups off
+    its capture stream, whose workspace the capture would otherwise take). cudagraph_td needs
+    none of this (its graphs use workspaces of their own), and clears nothing itself.
     """
     torch._C._cuda_clearCublasWorkspaces()
     try:

@@ -60,6 +60,33 @@ BASELINE: Any = None
 BEFORE = "cudagraph_td (before)"
 
 
+def _other_stream() -> torch.cuda.Stream:
+    """A stream of torch's pool that is not ``torch.cuda.graph``'s capture stream (see
+    `_skip_capture_stream`): a warm-up on the capture stream itself would leave its graphs
+    a workspace in ordinary memory, which the next clear of the workspaces frees."""
+    _skip_capture_stream()
+    return torch.cuda.Stream()
+
+
+def _skip_capture_stream() -> None:
+    """Take streams from torch's pool until ``torch.cuda.graph``'s capture stream comes out,
+    so that the next one is another: torch's ``make_graphed_callables`` warms up on the next
+    one, then captures on that one (run.py's ``bracketed`` says why it matters)."""
+    capture = torch.cuda.graph.default_capture_stream
+    if capture is None:
+        torch.cuda.graph(torch.cuda.CUDAGraph())  # makes it
+        capture = torch.cuda.graph.default_capture_stream
+    for _ in range(64):
+        if torch.cuda.Stream() == capture:
+            return
+
+
+def _torch_graphed(net: nn.Module, sample: tuple[torch.Tensor, ...]) -> Any:
+    """``torch.cuda.make_graphed_callables``, warmed up off its capture stream."""
+    _skip_capture_stream()
+    return torch.cuda.make_graphed_callables(net, sample)
+
+
 def _hand_graph(
     run: Callable[[list[torch.Tensor]], Any],
     inputs: list[torch.Tensor],
@@ -68,7 +95,7 @@ def _hand_graph(
 ) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor], Any]:
     """Capture ``run(static_inputs)`` as torch's documentation shows; return the graph's state."""
     static = [t.clone() for t in inputs]
-    side = torch.cuda.Stream()
+    side = _other_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmup):
@@ -250,7 +277,7 @@ def policy_grad(device: torch.device) -> Workload:
 
     def floor() -> Call:
         net = copy.deepcopy(template.module)
-        graphed = torch.cuda.make_graphed_callables(net, (td["observation"].clone(),))
+        graphed = _torch_graphed(net, (td["observation"].clone(),))
 
         def call() -> TensorDict:
             td["action"] = graphed(td["observation"])
@@ -388,7 +415,7 @@ def forward_backward(device: torch.device) -> Workload:
     # torch's make_graphed_callables is the hand-written reference here: the floor.
     w.variants = {
         "eager": with_net(lambda net: net),
-        "floor": with_net(lambda net: torch.cuda.make_graphed_callables(net, sample)),
+        "floor": with_net(lambda net: _torch_graphed(net, sample)),
         "cudagraph_td": with_net(lambda net: cudagraph_td.make_graphed_callables(net, sample)),
         "cudagraph_td (module)": with_net(lambda net: cudagraph_td.CudaGraphModule(net, warmup=2)),
         "compile": with_net(lambda net: _marking_steps(torch.compile(net, mode="reduce-overhead"))),

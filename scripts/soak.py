@@ -14,11 +14,11 @@ training step's parameters with those of an eager twin after each step. A memory
 kills the process (the exit status says so); a wrong result ends it with status 1.
 
 The other tools' captures are bracketed by clears of cuBLAS's workspaces, as torch.compile's
-own CUDA graph trees do around theirs: without them, torch's graphs captured on one stream
-share a workspace that none of them owns (pytorch#193402), which any clear then frees under
-them, whatever else runs in the process (the docs' sharp edges, "Other graphs in the
-process"). What this run checks is that this library neither breaks the others nor is
-broken by them.
+own CUDA graph trees do around theirs, and torch's ``make_graphed_callables`` never warms up
+on the stream it captures on (`skip_capture_stream`): without that, torch's graphs use
+workspaces that they do not own (pytorch#193402), which any clear then frees under them,
+whatever else runs in the process (the docs' sharp edges, "Other graphs in the process").
+What this run checks is that this library neither breaks the others nor is broken by them.
 """
 
 from __future__ import annotations
@@ -52,6 +52,23 @@ TOL = {"rtol": 1e-4, "atol": 1e-5}
 def clear_workspaces() -> None:
     """What torch.compile's trees do around a recording, here around the other tools'."""
     torch._C._cuda_clearCublasWorkspaces()
+
+
+def skip_capture_stream() -> None:
+    """Take streams from torch's pool until torch.cuda.graph's capture stream comes out.
+
+    torch's ``make_graphed_callables`` warms up on the pool's next stream, then captures on
+    ``torch.cuda.graph``'s: when those are one stream (every 32nd time), its graphs use the
+    warm-up's workspace, in ordinary memory, which the next clear frees under them (a torch
+    bug of its own, whatever else runs). The next stream is then another one.
+    """
+    capture = torch.cuda.graph.default_capture_stream
+    if capture is None:
+        torch.cuda.graph(torch.cuda.CUDAGraph())  # makes it
+        capture = torch.cuda.graph.default_capture_stream
+    for _ in range(64):
+        if torch.cuda.Stream() == capture:
+            return
 
 
 def mlp(rng: random.Random, n_in: int = 17, n_out: int = 6) -> nn.Module:
@@ -271,6 +288,7 @@ class Graphed(Actor):
         if ours:
             self.graphed = cudagraph_td.make_graphed_callables(self.net, sample)
         else:
+            skip_capture_stream()
             clear_workspaces()
             self.graphed = torch.cuda.make_graphed_callables(self.net, sample)
             clear_workspaces()

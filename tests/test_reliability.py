@@ -32,6 +32,11 @@ def test_dropping_a_wrapper_frees_its_graph_without_the_garbage_collector(
     # No reference cycle may keep a graph (and its memory pool) alive (tensordict#1804):
     # with the collector off, the last reference going away must free it.
     policy = _policy(backend)
+    if backend.name == "cuda":  # the device's shared workspace, made once for all wrappers
+        first = backend.wrap(policy, warmup=1)
+        with torch.no_grad():
+            first(TensorDict(obs=backend.randn(8, 4), batch_size=[8]))
+        del first
     gc.collect()
     gc.disable()
     try:
