@@ -62,13 +62,13 @@ BEFORE = "cudagraph_td (before)"
 
 def _other_stream() -> torch.cuda.Stream:
     """A stream of torch's pool that is not ``torch.cuda.graph``'s capture stream (see
-    `_skip_capture_stream`): a warm-up on the capture stream itself would leave its graphs
+    `skip_capture_stream`): a warm-up on the capture stream itself would leave its graphs
     a workspace in ordinary memory, which the next clear of the workspaces frees."""
-    _skip_capture_stream()
+    skip_capture_stream()
     return torch.cuda.Stream()
 
 
-def _skip_capture_stream() -> None:
+def skip_capture_stream() -> None:
     """Take streams from torch's pool until ``torch.cuda.graph``'s capture stream comes out,
     so that the next one is another: torch's ``make_graphed_callables`` warms up on the next
     one, then captures on that one (run.py's ``bracketed`` says why it matters)."""
@@ -83,7 +83,7 @@ def _skip_capture_stream() -> None:
 
 def _torch_graphed(net: nn.Module, sample: tuple[torch.Tensor, ...]) -> Any:
     """``torch.cuda.make_graphed_callables``, warmed up off its capture stream."""
-    _skip_capture_stream()
+    skip_capture_stream()
     return torch.cuda.make_graphed_callables(net, sample)
 
 

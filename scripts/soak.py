@@ -15,7 +15,7 @@ kills the process (the exit status says so); a wrong result ends it with status 
 
 The other tools' captures are bracketed by clears of cuBLAS's workspaces, as torch.compile's
 own CUDA graph trees do around theirs, and torch's ``make_graphed_callables`` never warms up
-on the stream it captures on (`skip_capture_stream`): without that, torch's graphs use
+on the stream it captures on (`benchmarks/workloads.py`'s ``skip_capture_stream``): without that, torch's graphs use
 workspaces that they do not own (pytorch#193402), which any clear then frees under them,
 whatever else runs in the process (the docs' sharp edges, "Other graphs in the process").
 What this run checks is that this library neither breaks the others nor is broken by them.
@@ -42,6 +42,9 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "src"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from workloads import skip_capture_stream
 
 import cudagraph_td
 
@@ -52,23 +55,6 @@ TOL = {"rtol": 1e-4, "atol": 1e-5}
 def clear_workspaces() -> None:
     """What torch.compile's trees do around a recording, here around the other tools'."""
     torch._C._cuda_clearCublasWorkspaces()
-
-
-def skip_capture_stream() -> None:
-    """Take streams from torch's pool until torch.cuda.graph's capture stream comes out.
-
-    torch's ``make_graphed_callables`` warms up on the pool's next stream, then captures on
-    ``torch.cuda.graph``'s: when those are one stream (every 32nd time), its graphs use the
-    warm-up's workspace, in ordinary memory, which the next clear frees under them (a torch
-    bug of its own, whatever else runs). The next stream is then another one.
-    """
-    capture = torch.cuda.graph.default_capture_stream
-    if capture is None:
-        torch.cuda.graph(torch.cuda.CUDAGraph())  # makes it
-        capture = torch.cuda.graph.default_capture_stream
-    for _ in range(64):
-        if torch.cuda.Stream() == capture:
-            return
 
 
 def mlp(rng: random.Random, n_in: int = 17, n_out: int = 6) -> nn.Module:
