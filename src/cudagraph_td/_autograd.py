@@ -17,7 +17,7 @@ import torch
 
 from . import _errors, _sharing, _tree
 from ._backend import Backend, CudaBackend, Graph
-from ._compat import foreach_copy_, graph_replay, raw_stream
+from ._compat import foreach_copy_, graph_replay
 from ._outputs import Outputs
 from ._signature import Signature
 from ._state import State
@@ -65,9 +65,8 @@ class _GraphedFunction(torch.autograd.Function):
         n = len(call.static_inputs)
         if n:
             foreach_copy_(call.static_inputs, inputs[:n])
-        order = call.order  # after the device's last replay: they share cuBLAS's workspace
-        if order is not None and order.raw != raw_stream(order.device):  # type: ignore[misc]
-            order.follow()
+        if call.order is not None:  # after the device's last replay: they share a workspace
+            call.order.keep()
         call.replay_forward()
         call.generation += 1
         ctx.call, ctx.generation = call, call.generation
@@ -85,10 +84,8 @@ class _GraphedFunction(torch.autograd.Function):
             raise _errors.stale_backward(call.name)
         with torch.no_grad():
             foreach_copy_(call.static_grad_outputs, [grads[i] for i in call.differentiable])
-        # On the forward's stream, which another replay may have followed since.
-        order = call.order
-        if order is not None and order.raw != raw_stream(order.device):  # type: ignore[misc]
-            order.follow()
+        if call.order is not None:  # the forward's stream, which another may have followed
+            call.order.keep()
         call.replay_backward()
         # Fresh memory: gradients accumulated over two backward passes must not alias.
         fresh = [None if g is None else g.clone() for g in call.static_grad_inputs]

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ._compat import clear_cublas_workspaces, end_allocate_to_pool, pool_blocks
+from ._compat import clear_cublas_workspaces, end_allocate_to_pool, pool_blocks, raw_stream
 
 REPLAY_LOCK = threading.RLock()
 """The lock of every wrapper's call (re-entrant: a function may call another wrapper)."""
@@ -260,6 +260,11 @@ class ReplayOrder:
             stream.wait_stream(self.stream)
         self.stream, self.raw = stream, stream.cuda_stream
 
+    def keep(self) -> None:
+        """Order the current stream after the last replay's, if it is another stream."""
+        if self.raw != raw_stream(self.device):  # type: ignore[misc]
+            self.follow()
+
 
 _orders: dict[int, ReplayOrder] = {}
 
@@ -276,6 +281,5 @@ def ordered(device: int) -> ReplayOrder:
     """The replay order of CUDA device ``device``, with the current stream ordered after the
     last replay there (a call on another stream than it waits for it)."""
     order = replay_order(device)
-    if order.raw != torch.cuda.current_stream(device).cuda_stream:
-        order.follow()
+    order.keep()
     return order
