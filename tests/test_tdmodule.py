@@ -98,6 +98,34 @@ def test_tensordict_out_of_a_function_without_in_keys(backend: Backend) -> None:
         torch.testing.assert_close(out_td["loss"], net(td["observation"]).pow(2).mean())
 
 
+def test_a_tensordict_module_writes_scalars_into_an_empty_tensordict_out(
+    backend: Backend,
+) -> None:
+    # LeanRL's PPO: `update = CudaGraphModule(TensorDictModule(update_fn, in_keys=[...],
+    # out_keys=[metrics]))`, called as `update(minibatch, tensordict_out=TensorDict())`. The
+    # eager module writes the scalar metrics into the empty tensordict_out; the minibatch,
+    # of batch size [n], would refuse them.
+    net = nn.Linear(4, 1).to(backend.device)
+
+    def update_fn(obs: torch.Tensor, advantages: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        loss = (net(obs).squeeze(-1) * advantages).mean()
+        return loss.detach(), loss.detach().abs(), advantages.std()
+
+    keys = ["loss", "approx_kl", "adv_std"]
+    module = TensorDictModule(update_fn, in_keys=["obs", "advantages"], out_keys=keys)
+    graphed = backend.wrap(module, warmup=2)
+    with torch.no_grad():
+        for _ in range(4):
+            td = TensorDict(obs=backend.randn(16, 4), advantages=backend.randn(16), batch_size=[16])
+            expected = module(td.clone(), tensordict_out=TensorDict())
+            out_td = TensorDict()
+            result = graphed(td, tensordict_out=out_td)
+            assert result is out_td and result.batch_size == expected.batch_size == ()
+            assert sorted(td.keys()) == ["advantages", "obs"]  # the minibatch is untouched
+            for key in keys:
+                torch.testing.assert_close(result[key], expected[key])
+
+
 def test_keys_from_the_arguments_for_a_function(backend: Backend) -> None:
     def fn(tensordict: TensorDict) -> TensorDict:
         tensordict["y"] = tensordict["x"] * 2 + 1

@@ -138,18 +138,13 @@ class TensorDictLayer:
                 missing = [key for key in self.in_keys if key not in keys]
                 if missing:
                     raise _errors.missing_in_keys(self.name, missing)
-            inputs = tensordict.select(*self.in_keys, strict=False)
+            inputs = _batched_as_out(tensordict.select(*self.in_keys, strict=False), tensordict_out)
             if runner.captured is not None:
                 inputs = _batched_as_captured(inputs, runner.captured, keywords)
         elif tensordict_out is not None:
             # A function that writes into its input writes into a copy, whose entries then
-            # go to `tensordict_out`: the caller's TensorDict is left as it was. The copy
-            # takes tensordict_out's batch size when it is a prefix of the input's (a loss
-            # written into `TensorDict()`): what it accepts, the copy accepts.
-            inputs = tensordict.copy()
-            batch_size = tensordict_out.batch_size
-            if tensordict.batch_size[: len(batch_size)] == batch_size:
-                inputs.batch_size = batch_size
+            # go to `tensordict_out`: the caller's TensorDict is left as it was.
+            inputs = _batched_as_out(tensordict.copy(), tensordict_out)
         out = runner.run((inputs, *args), kwargs)
         target = tensordict if tensordict_out is None else tensordict_out
         if isinstance(out, tuple) and len(out) == 2 and out[0] is WROTE_INPUT:
@@ -195,6 +190,18 @@ class TensorDictLayer:
 
 
 _RUNNER = "_cudagraph_td_runner"
+
+
+def _batched_as_out(inputs: Any, tensordict_out: TensorDictBase | None) -> Any:
+    """``inputs`` (a new TensorDict) with ``tensordict_out``'s batch size when that is a
+    prefix of theirs, as a TensorDictModule writes its outputs into ``tensordict_out``: a
+    loss or metrics (scalars) written into ``TensorDict()`` (LeanRL's PPO update), which the
+    inputs' batch size would refuse."""
+    if tensordict_out is not None:
+        batch_size = tensordict_out.batch_size
+        if inputs.batch_size[: len(batch_size)] == batch_size:
+            inputs.batch_size = batch_size
+    return inputs
 
 
 def _batched_as_captured(inputs: Any, captured: Captured, keywords: bool) -> Any:
