@@ -216,6 +216,9 @@ HOST_SYNCS: dict[str, Callable[[torch.Tensor], Any]] = {
         torch.outer(y, y) + torch.eye(3, device=y.device)
     ),
     "one-hot-classes-read-from-the-values": lambda y: F.one_hot((y > 0).long()),
+    # Decompositions whose CUDA solvers read on the host (torch 2.11, seen on the H100).
+    "linalg-eigh": lambda y: torch.linalg.eigh(torch.outer(y, y) + torch.eye(3, device=y.device)),
+    "linalg-qr": lambda y: torch.linalg.qr(torch.outer(y, y) + torch.eye(3, device=y.device)),
 }
 
 
