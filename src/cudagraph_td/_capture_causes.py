@@ -28,6 +28,12 @@ CAPTURE_CAUSES = (
         "Move such code out of the function, or use tensor ops (`torch.where`) instead.",
     ),
     (
+        ("cusolver error", "CUSOLVER_STATUS"),
+        "the function calls a `torch.linalg` decomposition (`eigh`, `eigvalsh`, `qr`, ...) "
+        "whose CUDA solver (cuSOLVER) synchronises the host or cannot run inside a capture: "
+        "compute it outside the function and pass the result in, or keep that part eager.",
+    ),
+    (
         ("Expected all tensors to be on the same device",),
         "the function makes a tensor without `device=` (`torch.ones(3)`, `torch.tensor([...])`), "
         "which is on the CPU, and uses it with the graph's tensors: make it on their device "
