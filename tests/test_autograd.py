@@ -530,3 +530,93 @@ def test_a_failed_capture_of_graphed_callables_says_what_to_do() -> None:
     assert "reset()" not in str(err) and "wrapper" not in str(err)
     wrapper_err = _errors.capture_failure("CudaGraphModule", "capture the graph", ValueError("bad"))
     assert "call `reset()` to start the warm-up again" in str(wrapper_err)
+
+
+class _Rows(nn.Module):
+    """Parameterless, as in torch's tests of its function: a dict in (one entry unused), a
+    dict out, the input's rows in reverse order, by a gather at indices made in the forward."""
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        x = inputs["x"]
+        rows = torch.arange(x.shape[0] - 1, -1, -1, device=x.device)
+        return {"output": x.gather(0, rows.unsqueeze(1).expand_as(x))}
+
+
+@pytest.mark.parametrize("allow_unused_input", [False, True], ids=["used-only", "allow-unused"])
+def test_inputs_that_require_grad_where_the_samples_do_not(
+    backend: Backend, allow_unused_input: bool
+) -> None:
+    # torch's `test_graph_make_graphed_callables_parameterless_nograd_module`: samples that
+    # do not require grad, calls with inputs that do. Torch's function replays the forward
+    # and returns outputs that require grad (its autograd node's); so does this one, and a
+    # backward through them is refused: no gradient was captured for those inputs.
+    model = nn.Sequential(_Rows())
+    twin = copy.deepcopy(model)
+    x, unused = backend.randn(8, 5), backend.randn(8, 3)
+    model[0] = backend.graph_callables(
+        model[0], ({"x": x, "unused_input": unused},), allow_unused_input=allow_unused_input
+    )
+    theirs = None
+    if backend.name == "cuda":
+        theirs = torch.cuda.make_graphed_callables(
+            copy.deepcopy(twin[0]),
+            ({"x": x, "unused_input": unused},),
+            allow_unused_input=allow_unused_input,
+        )
+    for _ in range(3):
+        data = torch.rand_like(x, requires_grad=True)
+        out = model({"x": data, "unused_input": unused})["output"]
+        expected = twin({"x": data, "unused_input": unused})["output"]
+        torch.testing.assert_close(out, expected)
+        assert out.requires_grad and expected.requires_grad
+        if theirs is not None:
+            their_out = theirs({"x": data, "unused_input": unused})["output"]
+            torch.testing.assert_close(out, their_out)
+            assert their_out.requires_grad
+        with pytest.raises(RuntimeError, match=re.escape('with args[0]["x"] requiring grad')):
+            out.sum().backward()
+        assert data.grad is None
+    with torch.no_grad():  # no autograd node: nothing to refuse
+        data = torch.rand_like(x, requires_grad=True)
+        torch.testing.assert_close(
+            model({"x": data, "unused_input": unused})["output"], data.flip(0)
+        )
+    model.eval()  # captured in training mode: eval runs the original forward
+    torch.testing.assert_close(model({"x": x})["output"], twin({"x": x})["output"])
+
+
+def test_an_input_that_requires_grad_where_its_sample_does_not_refuses_the_backward(
+    backend: Backend,
+) -> None:
+    # torch's function would run the parameters' backward and leave `x.grad` None: a wrong
+    # gradient, silently. The forward replays, as torch's; the backward says why it cannot.
+    net = _mlp(backend)
+    twin = copy.deepcopy(net)
+    graphed = backend.graph_callables(net, (backend.randn(8, 4),))
+    x = backend.randn(8, 4, requires_grad=True)
+    out = graphed(x)
+    torch.testing.assert_close(out, twin(x))
+    message = "backward through a call with args[0] requiring grad, where the samples did not"
+    with pytest.raises(RuntimeError, match=re.escape(message)) as info:
+        out.pow(2).sum().backward()
+    assert "samples that require grad where the real inputs do" in str(info.value)
+    assert x.grad is None and all(p.grad is None for p in net.parameters())
+    y = backend.randn(8, 4)  # the graph is intact: a call as captured trains as eager
+    graphed(y).pow(2).sum().backward()
+    twin(y).pow(2).sum().backward()
+    _assert_grads_equal(net, twin)
+
+
+def test_an_input_that_no_longer_requires_grad_gets_no_gradient(backend: Backend) -> None:
+    # As torch's: the captured backward computes a gradient for it, which autograd drops.
+    net = _mlp(backend)
+    twin = copy.deepcopy(net)
+    graphed = backend.graph_callables(net, (backend.randn(8, 4, requires_grad=True),))
+    for _ in range(2):
+        x = backend.randn(8, 4)
+        out, expected = graphed(x), twin(x)
+        torch.testing.assert_close(out, expected)
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+        assert x.grad is None
+        _assert_grads_equal(net, twin)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 import re
 import warnings
 from collections.abc import Callable
@@ -33,17 +34,25 @@ def _raise_value_error(y: torch.Tensor) -> None:
     raise ValueError("bad value in the user's code")
 
 
-# torch's own, which the emulation's recording answers for on its thread while it records.
-_TORCH_CUDA = (
-    torch.cuda.is_available,
-    torch.cuda.is_current_stream_capturing,
-    torch.cuda.synchronize,
-)
+def _answered_while_recording() -> tuple[Any, ...]:
+    """torch's own functions, which the emulation's recording answers for on its thread."""
+    cuda = torch.cuda
+    return (
+        cuda.is_available,
+        cuda.is_current_stream_capturing,
+        cuda.synchronize,
+        cuda.current_stream,
+        cuda.default_stream,
+        cuda.Event,
+        torch.serialization.location_tag,
+    )
+
+
+_TORCH_CUDA = _answered_while_recording()
 
 
 def _assert_not_capturing(backend: Backend) -> None:
-    now = (torch.cuda.is_available, torch.cuda.is_current_stream_capturing, torch.cuda.synchronize)
-    assert now == _TORCH_CUDA  # the recording ended, failed or not
+    assert _answered_while_recording() == _TORCH_CUDA  # the recording ended, failed or not
     if backend.name == "cuda":
         assert not torch.cuda.is_current_stream_capturing()
         torch.cuda.synchronize()  # no sticky error left behind
@@ -219,7 +228,24 @@ HOST_SYNCS: dict[str, Callable[[torch.Tensor], Any]] = {
     # Decompositions whose CUDA solvers read on the host (torch 2.11, seen on the H100).
     "linalg-eigh": lambda y: torch.linalg.eigh(torch.outer(y, y) + torch.eye(3, device=y.device)),
     "linalg-qr": lambda y: torch.linalg.qr(torch.outer(y, y) + torch.eye(3, device=y.device)),
+    # torch.save copies a CUDA storage to pageable host memory before it writes it.
+    "torch-save": lambda y: torch.save(y, io.BytesIO()),
+    # Synchronisations and queries of the capturing stream, and of an event recorded on it
+    # (as tensordict waits for its copies to the host); an event never recorded is no CUDA
+    # event yet, and its `synchronize()` does nothing, on CUDA as on the emulation.
+    "stream-synchronize": lambda y: (
+        torch.cuda.is_available() and torch.cuda.current_stream().synchronize()
+    ),
+    "stream-query": lambda y: torch.cuda.is_available() and torch.cuda.current_stream().query(),
+    "event-synchronize": lambda y: torch.cuda.is_available() and _recorded_event().synchronize(),
+    "event-query": lambda y: torch.cuda.is_available() and _recorded_event().query(),
 }
+
+
+def _recorded_event() -> Any:
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 @pytest.mark.parametrize("case", list(HOST_SYNCS))

@@ -60,7 +60,7 @@ class _GraphedFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, call: DifferentiableCall, *inputs: torch.Tensor
+        ctx: Any, call: DifferentiableCall, ungraded: tuple[str, ...], *inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         n = len(call.static_inputs)
         if n:
@@ -69,15 +69,19 @@ class _GraphedFunction(torch.autograd.Function):
             call.order.keep()
         call.replay_forward()
         call.generation += 1
-        ctx.call, ctx.generation = call, call.generation
+        ctx.call, ctx.generation, ctx.ungraded = call, call.generation, ungraded
         outputs = tuple(t.detach().clone() for t in call.outputs.static)
-        if call.non_differentiable:
+        # Inputs that require grad where the samples did not (see `DifferentiableCall.ungraded`)
+        # may reach any output, as in eager mode: all stay differentiable, as torch's are.
+        if call.non_differentiable and not ungraded:
             ctx.mark_non_differentiable(*(outputs[i] for i in call.non_differentiable))
         return outputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         call: DifferentiableCall = ctx.call
+        if ctx.ungraded:
+            raise _errors.ungraded_backward(call.name, ctx.ungraded)
         if torch.is_grad_enabled():
             raise _errors.double_backward(call.name)
         if ctx.generation != call.generation:
@@ -89,7 +93,7 @@ class _GraphedFunction(torch.autograd.Function):
         call.replay_backward()
         # Fresh memory: gradients accumulated over two backward passes must not alias.
         fresh = [None if g is None else g.clone() for g in call.static_grad_inputs]
-        return (None, *(None if slot < 0 else fresh[slot] for slot in call.grad_slots))
+        return (None, None, *(None if slot < 0 else fresh[slot] for slot in call.grad_slots))
 
 
 class ForwardGraph(NamedTuple):
@@ -149,13 +153,33 @@ class DifferentiableCall:
         self._mutated = mutated
         self._mutated_static = [signature.static_inputs[i] for i in mutated]
 
-    def launch(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
-        """Replay the forward on ``tensors`` (checked) inside the autograd node."""
-        outputs = _GraphedFunction.apply(self, *tensors, *self.params)
+    def launch(
+        self, tensors: Sequence[torch.Tensor], ungraded: tuple[str, ...] = ()
+    ) -> Sequence[torch.Tensor]:
+        """Replay the forward on ``tensors`` (checked) inside the autograd node, whose
+        backward refuses to run if ``ungraded`` names inputs (see ``ungraded``)."""
+        outputs = _GraphedFunction.apply(self, ungraded, *tensors, *self.params)
         if self._mutated:  # in-place updates of inputs reach the caller, as in eager
             with torch.no_grad():
                 foreach_copy_([tensors[i] for i in self._mutated], self._mutated_static)
         return outputs  # type: ignore[no-any-return]
+
+    def ungraded(self, tensors: Sequence[torch.Tensor]) -> tuple[str, ...]:
+        """The paths of ``tensors`` that require grad where the captured inputs did not.
+
+        torch's ``make_graphed_callables`` replays such a call, its outputs attached to its
+        autograd node, whose backward gives those inputs no gradient (``None``, or an error
+        where no backward graph was captured). The forward replays here too, and the
+        backward, which cannot compute their gradients, raises.
+        """
+        if not torch.is_grad_enabled():  # no autograd node: nothing is differentiated
+            return ()
+        paths = self.signature.tensor_paths()
+        return tuple(
+            paths[i]
+            for i, (t, static) in enumerate(zip(tensors, self.static_inputs, strict=True))
+            if t.requires_grad and not static.requires_grad
+        )
 
 
 def _differentiable_leaves(tree: Any) -> list[torch.Tensor]:

@@ -16,12 +16,17 @@ CAPTURE_CAUSES = (
             "operation not permitted when stream is capturing",
             "cudaErrorStreamCaptureUnsupported",
             "Cannot copy between CPU and CUDA tensors during CUDA graph capture",
+            # A synchronisation or query of an event recorded on the capturing stream.
+            "operation not permitted on an event last recorded in a capturing stream",
+            "cudaErrorCapturedEvent",
         ),
         "the function synchronises the host with the GPU, which a graph cannot capture: "
         "`.item()`, `.tolist()`, `.cpu()`, `print()` of a CUDA tensor, `bool()` or an `if` on a "
-        "CUDA tensor, `torch.cuda.synchronize()`, boolean-mask indexing or `nonzero()`, or "
+        "CUDA tensor, `torch.cuda.synchronize()`, a stream's or an event's `synchronize()` or "
+        "`query()`, boolean-mask indexing or `nonzero()`, or "
         "a copy between CUDA and pageable CPU memory (`torch.tensor([...], device='cuda')`, "
-        "`.to('cpu')`, a Python number assigned to one element or at tensor indices: "
+        "`.to('cpu')`, `torch.save` of a CUDA tensor, a Python number assigned to one element "
+        "or at tensor indices: "
         "`x[0] = 0.0` on a 1-D `x`, `x[idx] = 0.0`; `x[0].fill_(0.0)` and `x.index_fill_(0, "
         "idx, 0.0)` stay on the GPU), a `torch.distributions` object built with "
         "`validate_args=True`. "

@@ -159,6 +159,16 @@ def no_longer_requires_grad(name: str, path: str) -> RuntimeError:
     )
 
 
+def ungraded_backward(name: str, paths: tuple[str, ...]) -> RuntimeError:
+    return RuntimeError(
+        f"{name}: backward through a call with {', '.join(paths)} requiring grad, where the "
+        "samples did not: the captured backward computes no such gradient (nor would torch's "
+        "function). To train through it, give `make_graphed_callables` samples that require "
+        "grad where the real inputs do; `.detach()`ed inputs, or `torch.no_grad()`, replay "
+        "the forward alone."
+    )
+
+
 def outputs_require_grad(name: str, path: str) -> RuntimeError:
     return RuntimeError(
         f"{name} captured an output that requires grad ({path}), which this version cannot "

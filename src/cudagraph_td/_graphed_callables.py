@@ -41,8 +41,10 @@ def make_graphed_callables(
     and constants; keyword arguments are given with ``sample_kwargs``; outputs that do not
     require grad and constant outputs are allowed; gradients are returned in fresh memory, so
     that two backward passes accumulate as in eager mode; every call's inputs are checked
-    against the samples (see the docs' Sharp edges page). A module captured in training
-    mode runs its original forward in eval mode, and the reverse, as torch's does.
+    against the samples (see the docs' Sharp edges page), but for ``requires_grad``, which
+    may differ, as with torch's (a backward that needs a gradient the graphs do not compute
+    raises). A module captured in training mode runs its original forward in eval mode,
+    and the reverse, as torch's does.
 
     Args:
         callables: A callable or ``torch.nn.Module``, or a tuple of them.
@@ -219,10 +221,17 @@ def _graphed(fn: Any, calls: list[DifferentiableCall]) -> Any:
             out = replay(args, kwargs)
             if out is not MISS:
                 return out
-        call = next((c for c in calls if c.signature.diagnose(args, kwargs) is None), calls[0])
+        # The slow path. As with torch's function, the inputs' `requires_grad` may differ
+        # from the samples': the forward replays, and an input whose gradient the graph
+        # does not compute refuses the backward (see `DifferentiableCall.ungraded`).
+        call = next(
+            (c for c in calls if c.signature.diagnose(args, kwargs, requires_grad=False) is None),
+            calls[0],
+        )
         if call.state is not None and not call.state.fresh():  # no recapture here: refuse
             raise _errors_state.replaced_after_capture(call.name, call.state.changes())
-        return _replay.call(call, args, kwargs)
+        tensors = call.signature.match(args, kwargs, requires_grad=False)
+        return call.outputs.rebuild(call.launch(tensors, call.ungraded(tensors)))
 
     if not isinstance(fn, torch.nn.Module):
         return graphed

@@ -11,14 +11,10 @@ of CUDA's error.
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import weakref
-from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 
 from ._compat import default_device_set
@@ -168,61 +164,6 @@ class HostCalls(TorchFunctionMode):
             )
 
 
-@contextlib.contextmanager
-def cuda_capturing() -> Iterator[None]:
-    """On this thread, ``torch.cuda`` says a capture is in progress while a call is recorded
-    (other threads are left alone): code that skips its host checks during a CUDA capture
-    asks it (torchrl's distributions, torch's optimizers), and a synchronisation raises.
-    An optimizer's step checks that it may be captured, as torch checks it on CUDA."""
-    thread = threading.get_ident()
-
-    def check_optimizer(optimizer: torch.optim.Optimizer, *args: Any) -> None:
-        if threading.get_ident() == thread:
-            _check_capturable(optimizer)
-
-    originals = {
-        name: getattr(torch.cuda, name)
-        for name in ("is_available", "is_current_stream_capturing", "synchronize")
-    }
-
-    def capturing(original: Any) -> Any:
-        def query(*args: Any, **kwargs: Any) -> Any:
-            return threading.get_ident() == thread or original(*args, **kwargs)
-
-        return query
-
-    def synchronize(*args: Any, **kwargs: Any) -> None:
-        if threading.get_ident() == thread:
-            raise RuntimeError(f"{HOST_READ} `torch.cuda.synchronize()`)")
-        originals["synchronize"](*args, **kwargs)
-
-    torch.cuda.is_available = capturing(originals["is_available"])
-    torch.cuda.is_current_stream_capturing = capturing(originals["is_current_stream_capturing"])
-    torch.cuda.synchronize = synchronize
-    # A hook of torch's global registry of optimizer hooks, there while the call is recorded.
-    hook = register_optimizer_step_pre_hook(check_optimizer)
-    try:
-        yield
-    finally:
-        hook.remove()
-        for name, original in originals.items():
-            setattr(torch.cuda, name, original)
-
-
-def _check_capturable(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse the step of an optimizer that has a capturable mode without it, as torch's own
-    check does in a CUDA capture (``Optimizer._accelerator_graph_capture_health_check``,
-    which sees no accelerator on the CPU); its step counts would be read on the host. A
-    fused optimizer needs it too."""
-    groups = optimizer.param_groups
-    if "capturable" in optimizer.defaults and not all(g.get("capturable") for g in groups):
-        raise RuntimeError(
-            f"Attempting CUDA graph capture of step() for an instance of "
-            f"{type(optimizer).__name__} but param_groups' capturable is False. (the "
-            "emulation of torch's check of an optimizer's step in a CUDA capture)"
-        )
-
-
 def makes_on_host(func: Any, args: Any, kwargs: dict[str, Any], host: Any) -> bool:
     """Whether a call makes its tensor on the CPU in a GPU run too, as a factory without
     ``device=`` does: on the default device, the CPU, unless the caller has set another
@@ -267,6 +208,9 @@ class HostMemory:
             storage = tensor.untyped_storage()
         except (NotImplementedError, RuntimeError):  # a tensor without storage
             return False
+        return self.holds_storage(storage)
+
+    def holds_storage(self, storage: torch.UntypedStorage) -> bool:
         ref = self._storages.get(storage.data_ptr())
         return ref is not None and ref() is storage
 

@@ -11,8 +11,9 @@ result is copied into the tensor it returned at the capture, which later operati
 Operations that a CUDA capture refuses raise at the emulated capture, with the phrase of
 CUDA's error (so that the capture failure names the same cause): host reads of tensor values
 (``.item()``, ``bool()``, ``.tolist()``, printing), data-dependent output shapes, copies to
-the host (``.cpu()``), ``torch.cuda.synchronize()``, and CPU tensors that the function makes
-meeting the graph's tensors. On the CPU every tensor is a CPU tensor; the recording tells
+the host (``.cpu()``, ``torch.save``), synchronisations (``torch.cuda.synchronize()``, a
+stream's or an event's: see `_capturing`), and CPU tensors that the function makes meeting
+the graph's tensors. On the CPU every tensor is a CPU tensor; the recording tells
 apart the ones that would be on the CPU in a GPU run too: those that the function makes
 without a ``device=`` (``torch.ones(3)``, ``torch.tensor(2.0)``), and those computed from
 them alone. Work on them is left out of the recording, as a CUDA capture leaves out CPU
@@ -28,16 +29,9 @@ from typing import Any
 
 import torch
 
+from ._capturing import capturing
 from ._compat import TorchDispatchMode, below_autograd, op_arguments
-from ._host_calls import (
-    COPY,
-    HOST_MEMORY,
-    HOST_READ,
-    MIXED,
-    HostCalls,
-    cuda_capturing,
-    tensors_in,
-)
+from ._host_calls import COPY, HOST_MEMORY, HOST_READ, MIXED, HostCalls, tensors_in
 
 _aten = torch.ops.aten
 # ATen operations whose output shape depends on tensor values, read by the host.
@@ -125,6 +119,10 @@ class Recorder(TorchDispatchMode):
         """Whether ``tensor`` would be on the CPU in a GPU run too (see above), made by this
         call or by an eager run of the function (`HOST_MEMORY`)."""
         return (bool(self._host) and _address(tensor) in self._host) or HOST_MEMORY.holds(tensor)
+
+    def stores_on_host(self, storage: torch.UntypedStorage) -> bool:
+        """Whether ``storage`` is the memory of such a tensor (see `on_host`)."""
+        return storage.data_ptr() in self._host or HOST_MEMORY.holds_storage(storage)
 
     def make_on_host(self, func: Any, *args: Any, **kwargs: Any) -> Any:
         """Call a factory that makes its tensors on the CPU in a GPU run too."""
@@ -214,7 +212,7 @@ def record(fn: Callable[[], Any]) -> tuple[RecordedGraph, Any]:
     """Run ``fn`` once, recording it; its effects on older tensors are undone."""
     recorder = Recorder()
     try:
-        with recorder, HostCalls(recorder), cuda_capturing():
+        with recorder, HostCalls(recorder), capturing(recorder):
             out = fn()
     finally:
         recorder.undo()

@@ -72,12 +72,14 @@ class Signature:
         validate(name, args, kwargs, device, allow_grad=allow_grad)
         self.name = name
         self._shapes = True  # whether `diagnose` compares shapes
+        self._requires_grad = True  # whether it compares `requires_grad`
         leaves, self.spec = _tree.flatten((args, kwargs))
         self.tensor_index = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         self.const_index = [
             i for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)
         ]
         self.expected = [metadata(leaves[i]) for i in self.tensor_index]
+        self._gradless = list(map(_gradless, self.expected))
         self.consts = [leaves[i] for i in self.const_index]
         self.const_types = [type(c) for c in self.consts]
         self.all_tensors = not self.const_index
@@ -127,8 +129,12 @@ class Signature:
             return None
         return [leaves[i] for i in self.tensor_index]
 
-    def match(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    def match(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], *, requires_grad: bool = True
+    ) -> list[Any]:
         """The tensor leaves of a call, checked in full against the capture (the slow path).
+
+        Without ``requires_grad``, the tensors' ``requires_grad`` is not compared.
 
         Raises:
             ValueError, KeyError, RuntimeError: The call differs from the capture; the error
@@ -136,11 +142,15 @@ class Signature:
         """
         tensors = self.read(args, kwargs)
         try:
-            if tensors is not None and list(map(metadata, tensors)) == self.expected:
-                return tensors
+            if tensors is not None:
+                received = list(map(metadata, tensors))
+                if received == self.expected or (
+                    not requires_grad and list(map(_gradless, received)) == self._gradless
+                ):
+                    return tensors
         except Exception:  # a leaf that is not a tensor, where the capture had one
             pass
-        error = self.diagnose(args, kwargs)
+        error = self.diagnose(args, kwargs, requires_grad=requires_grad)
         if error is not None:
             raise error
         # Only tensor types differ, and only by a subclass (a Parameter for a tensor): the
@@ -170,15 +180,22 @@ class Signature:
             return False
 
     def diagnose(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], *, shapes: bool = True
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        shapes: bool = True,
+        requires_grad: bool = True,
     ) -> Exception | None:
         """The error that explains how a call's inputs differ from the captured ones.
 
         None when they differ only by the subclass of a tensor, which is not an error, or,
         with ``shapes=False``, by shapes, batch sizes and ``requires_grad`` (a call for
-        another graph of a wrapper with ``shapes="exact"``).
+        another graph of a wrapper with ``shapes="exact"``), or, with
+        ``requires_grad=False``, by ``requires_grad`` (`make_graphed_callables`, as torch's).
         """
         self._shapes = shapes
+        self._requires_grad = requires_grad
         captured = (self.static_args, self.static_kwargs)
         missing: list[str] = []
         extra: list[str] = []
@@ -270,13 +287,18 @@ class Signature:
             return _errors.dtype_mismatch(self.name, where, old.dtype, new.dtype)
         if self._shapes and new.shape != old.shape:
             return _errors.shape_mismatch(self.name, where, old.shape, new.shape)
-        if not self._shapes:  # another graph of shapes="exact": requires_grad may differ too
+        if not self._shapes or not self._requires_grad:  # see `diagnose`
             return None
         if new.requires_grad and not old.requires_grad:
             return _errors.requires_grad(self.name, where)
         if old.requires_grad and not new.requires_grad:
             return _errors.no_longer_requires_grad(self.name, where)
         return None
+
+
+def _gradless(meta: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A tensor's ``metadata`` without its ``requires_grad`` (the last item)."""
+    return meta[:-1]
 
 
 def _meta(metadata: Any, shapes: bool) -> Any:
