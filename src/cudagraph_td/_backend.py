@@ -218,8 +218,9 @@ class CudaBackend:
                 graph.capture_begin(pool=pool, capture_error_mode=self.capture_error_mode)
                 try:
                     out = fn()
-                except BaseException:
+                except BaseException as err:
                     self._end_failed_capture(graph, pool)
+                    _take_pending_solver_error(err, self.device)
                     if shared is not None:
                         shared.give_up(self.device)
                     raise
@@ -267,6 +268,21 @@ class CudaBackend:
         graph.capture_begin()
         scratch.zero_()  # a graph must hold a node for capture_end to accept it
         graph.capture_end()
+
+
+def _take_pending_solver_error(err: BaseException, device: torch.device) -> None:
+    """Let a throw-away cuSOLVER call report the error that a failed capture left pending.
+
+    A decomposition whose solver cannot run in a capture (``torch.linalg.eigh`` on torch
+    2.11) fails with a cuSOLVER error, and cuSOLVER reports that error again at its next
+    call on the thread, whatever that call is (seen on the H100: the next
+    ``torch.linalg.qr`` outside any graph failed once, then worked). Taken here, on the
+    failure path only, the user's next call works.
+    """
+    if "cusolver" not in str(err).lower():
+        return
+    with contextlib.suppress(RuntimeError):
+        torch.linalg.qr(torch.eye(2, device=device))
 
 
 @contextlib.contextmanager

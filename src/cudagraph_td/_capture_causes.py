@@ -34,7 +34,7 @@ CAPTURE_CAUSES = (
     ),
     (
         ("cusolver error", "CUSOLVER_STATUS"),
-        "the function calls a `torch.linalg` decomposition (`eigh`, `eigvalsh`, `qr`, ...) "
+        "the function calls a `torch.linalg` decomposition (`eigh`, `eigvalsh`, ...) "
         "whose CUDA solver (cuSOLVER) synchronises the host or cannot run inside a capture: "
         "compute it outside the function and pass the result in, or keep that part eager.",
     ),

@@ -285,10 +285,10 @@ def _host_read(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], host: A
             "a host read of the error codes of `torch.linalg`'s `cholesky`, `inv` or `solve`;"
             " their `_ex` forms, such as `torch.linalg.cholesky_ex`, leave them on the device"
         )
-    if func in (_aten._linalg_eigh.default, _aten.linalg_qr.default):
+    if func is _aten._linalg_eigh.default:
         return (
-            "a host synchronisation of `torch.linalg.eigh` or `torch.linalg.qr`, whose CUDA"
-            " solvers read on the host (torch 2.11)"
+            "a host synchronisation of `torch.linalg.eigh` (or `eigvalsh`), whose CUDA solver"
+            " reads on the host (torch 2.11)"
         )
     if func is _aten.histc.default and _range_not_given(args, kwargs):
         return "a host read of the range of `torch.histc`; give it `min` and `max`"
