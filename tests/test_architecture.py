@@ -35,11 +35,6 @@ def _package_imports(path: pathlib.Path) -> set[str]:
     return found
 
 
-def test_no_module_is_over_400_lines() -> None:
-    sizes = {p.name: len(p.read_text().splitlines()) for p in PACKAGE.glob("*.py")}
-    assert {name: n for name, n in sizes.items() if n > 400} == {}
-
-
 def test_no_import_cycle() -> None:
     graph = {p.stem: _package_imports(p) for p in PACKAGE.glob("*.py")}
     assert graph["_replay"] and graph["_module"]  # the walk sees the imports

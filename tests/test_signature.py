@@ -133,7 +133,8 @@ def test_changed_constant(backend: Backend) -> None:
         ValueError,
         "CudaGraphModule was captured with the non-tensor argument kwargs[\"mode\"] = 'train', but "
         "received 'eval'. The graph replays the captured value: pass values that change between "
-        f"calls as tensors, use one CudaGraphModule per value, {HINT}",
+        'calls as tensors, declare it static (`static=("mode",)`: a graph per value), use '
+        f"one CudaGraphModule per value, {HINT}",
     )
 
 

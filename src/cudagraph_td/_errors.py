@@ -182,11 +182,23 @@ def constant_mismatch(name: str, path: str, captured: Any, received: Any) -> Inp
     return InputMismatchError(
         f"{name} was captured with the non-tensor argument {path} = {_short(captured)}, but "
         f"received {_short(received)}. The graph replays the captured value: pass values "
-        f"that change between calls as tensors, use one {name} per value, {reset_hint(name)}.",
+        f"that change between calls as tensors,{_static_hint(name, path)} use one {name} per "
+        f"value, {reset_hint(name)}.",
         path,
         captured,
         received,
     )
+
+
+def _static_hint(name: str, path: str) -> str:
+    """How to declare the top-level argument at ``path`` static (``CudaGraphModule``)."""
+    if name.startswith(GRAPHED_CALLABLES):
+        return ""
+    if path.startswith("args[") and path.endswith("]") and path[5:-1].isdigit():
+        return f" declare it static (`static=({path[5:-1]},)`: a graph per value),"
+    if path.startswith('kwargs["') and path.endswith('"]') and '"' not in path[8:-2]:
+        return f' declare it static (`static=("{path[8:-2]}",)`: a graph per value),'
+    return ""
 
 
 def leaf_kind_mismatch(name: str, path: str, captured: Any, received: Any) -> InputMismatchError:

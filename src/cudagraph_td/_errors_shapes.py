@@ -72,12 +72,20 @@ def above_buckets(name: str, batch: Any, buckets: Any, elsewhere: bool = False) 
     )
 
 
-def too_many_graphs(name: str, max_graphs: int, seen: list[Any], overflow: str) -> str:
+def too_many_graphs(
+    name: str, max_graphs: int, seen: list[Any], overflow: str, what: str = "Shapes"
+) -> str:
+    """``what``: ``"Shapes"`` (graphs per shape) or ``"Static values"`` (per static value)."""
     action = "run eagerly" if overflow == "eager" else "raise this error"
+    fix = (
+        'use shapes="buckets" to pad batch sizes to a few graphs'
+        if what == "Shapes"
+        else "pass the argument that takes many values as a tensor"
+    )
     return (
         f"{name} reached max_graphs={max_graphs}: calls that need another graph {action}. "
-        f"Shapes with a graph: {', '.join(map(str, seen))}. Raise max_graphs=, or use "
-        f'shapes="buckets" to pad batch sizes to a few graphs. {_SHARP_EDGES}'
+        f"{what} with a graph: {'; '.join(map(str, seen))}. Raise max_graphs=, or "
+        f"{fix}. {_SHARP_EDGES}"
     )
 
 

@@ -19,6 +19,7 @@ from . import (
     _modes,
     _shapes,
     _sharing,
+    _static,
     _tdmodule,
     _verify,
 )
@@ -30,7 +31,8 @@ from ._replay import MISS
 from ._shapes import not_captured
 
 BackendName = Literal["auto", "cuda", "emulate"]
-GraphsKey = tuple[Mode, torch.device | None]
+# A mode, a device (None off CUDA) and the values of the static arguments (see `_static`).
+GraphsKey = tuple[Mode, torch.device | None, tuple[Any, ...]]
 Graphs = _shapes.Graphs
 
 # Read at every call, so bound once.
@@ -61,8 +63,8 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
 
     The wrapper keeps graphs per mode that changes what the function computes (grad mode,
     a module's training mode, tensordict's interaction type, the autocast state), per device
-    (see ``device``) and, with ``shapes=``, per input shape (see "Several shapes" in the
-    docs' Sharp edges page). In grad mode, when the captured outputs require grad, the
+    (see ``device``), per value of the arguments declared ``static`` and, with ``shapes=``,
+    per input shape (see "Several shapes" in the docs' Sharp edges page). In grad mode, when the captured outputs require grad, the
     forward and its backward are captured inside one autograd node (see
     ``make_graphed_callables``), so ``loss.backward()`` replays the backward graph; under
     ``torch.no_grad()`` a plain graph. Without CUDA (and with ``backend="auto"``), the
@@ -116,6 +118,11 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         row_independent: Declares that each output row depends only on its input row and
             that the function computes no loss over the batch: ``"buckets"`` then pads in
             grad mode and training steps too.
+        static: Arguments whose value picks a graph: positions (``int``) and names
+            (``str``) of non-tensor arguments, such as a bool that selects a branch
+            (``static=("update_actor",)``). Each value's graph warms up and is captured on
+            first sight; past ``max_graphs`` values (per mode), ``overflow``. Other
+            non-tensor arguments must keep their captured value.
 
     Raises:
         ValueError: An option has no valid value.
@@ -165,6 +172,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         batch_dims: int = 1,
         overflow: Literal["eager", "raise"] = "eager",
         row_independent: bool = False,
+        static: tuple[int | str, ...] | int | str = (),
     ):
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise _errors.invalid_option("warmup", warmup, "an integer greater than 0")
@@ -204,6 +212,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             self._fn = _tdmodule.recording_writes(module)
             self._layer = _tdmodule.TensorDictLayer(name, self.in_keys, self.out_keys)
         self._has_training = hasattr(module, "training")
+        self._static = _static.StaticArgs(name, module, static) if static != () else None
         make_backend = None
         if self._backend_name != "eager":
             make_backend = backend_factory(
@@ -220,6 +229,8 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         # The last call's mode, its replay path and its count (see `__call__`): none yet.
         self._last: tuple[Any, ...] = (None, None, None, None, not_captured, [0])
         self._where: torch.device | None = None  # the last call's device
+        self._values: tuple[Any, ...] = ()  # the last call's static values
+        self._overflowed: set[tuple[Any, ...]] = set()  # modes warned of past max_graphs
         self._order: _sharing.ReplayOrder | None = None  # its replay order (see `_sharing`)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -249,7 +260,10 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The slow path: a warm-up, a capture, a replay checked in full, or a verified one."""
         key, graphs = self._select(args, kwargs)
+        if graphs is None:  # a value of the static arguments past max_graphs
+            return self._static_overflow(key, args, kwargs)
         device = self._where = key[1]
+        self._values = key[2]
         if device is not None:  # this device's replays follow the last one there
             self._order = _sharing.ordered(device.index)
         verifier = self._verifier
@@ -267,37 +281,66 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         self._last = (*key[0], graphs.replay, self._hits.setdefault(key, [0]))
         return out
 
-    def _select(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[GraphsKey, Graphs]:
-        """The graphs of the call's mode and device (`_shapes.Graphs.run` then picks the
-        graph by the call's shapes)."""
+    def _select(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[GraphsKey, Graphs | None]:
+        """The graphs of the call's mode, device and static values (`_shapes.Graphs.run` then
+        picks the graph by the call's shapes); None past ``max_graphs`` static values."""
         mode = _modes.current_mode(self.module)
         device = None
         if self._backend_name == "cuda":
             device = _devices.call_device(args, kwargs, self.device)
-        graphs = self._graphs.get((mode, device))
+        values = () if self._static is None else self._static.key(args, kwargs)
+        key = (mode, device, values)
+        graphs = self._graphs.get(key)
         if graphs is None:
-            homes = [d for _, d in self._graphs if d is not None and d != device]
+            homes = [k[1] for k in self._graphs if k[1] is not None and k[1] != device]
             if homes and device is not None:
                 _devices.check_follows(self._name, self.module, device, homes[0], args, kwargs)
-            graphs = self._graphs[(mode, device)] = _shapes.make_graphs(
+            if values and self._static_values(mode, device) >= self._shapes.max_graphs:
+                return key, None
+            graphs = self._graphs[key] = _shapes.make_graphs(
                 BucketGraphs if self._shapes.shapes == "buckets" else Graphs,
                 self._name,
                 self._shapes,
                 self._new_runner,
                 self._layer,
                 self._verifier,
-                (mode, device),
+                key,
                 self._fn,
                 self._lock,
             )
-        return (mode, device), graphs
+        return key, graphs
+
+    def _static_values(self, mode: Mode, device: torch.device | None) -> int:
+        """How many values of the static arguments have graphs in this mode and device."""
+        return sum(k[0] == mode and k[1] == device for k in self._graphs)
+
+    def _static_overflow(
+        self, key: GraphsKey, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A call with one value of the static arguments more than ``max_graphs``: eager, after
+        a warning (once), or an error."""
+        assert self._static is not None
+        seen = [self._static.shown(k[2]) for k in self._graphs if k[:2] == key[:2]]
+        message = _errors_shapes.too_many_graphs(
+            self._name, self._shapes.max_graphs, seen, self._shapes.overflow, what="Static values"
+        )
+        if self._shapes.overflow == "raise":
+            raise RuntimeError(message)
+        if key[:2] not in self._overflowed:
+            self._overflowed.add(key[:2])
+            warnings.warn(message, _errors_shapes.GraphLimitWarning, stacklevel=4)
+        with _graph.capture_turn(self._lock):  # the function runs only under it
+            return self._fn(*args, **kwargs)
 
     def _current_graphs(self) -> Graphs | None:  # the current mode's, on the last call's device
-        return self._graphs.get((_modes.current_mode(self.module), self._where))
+        return self._graphs.get((_modes.current_mode(self.module), self._where, self._values))
 
     def _shown(self, key: GraphsKey) -> str:
         """A mode as ``graphs()`` and ``repr`` show it, with its device if there are several."""
-        return _modes.mode_name(key[0], key[1] if len({d for _, d in self._graphs}) > 1 else None)
+        shown = _modes.mode_name(key[0], key[1] if len({k[1] for k in self._graphs}) > 1 else None)
+        return shown if self._static is None else f"{shown}, {self._static.shown(key[2])}"
 
     @property  # tensordict's class keeps an attribute: here, the graphs' count, read-only
     def counter(self) -> int:  # type: ignore[override]
@@ -353,6 +396,8 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             return
         with self._lock:
             _, graphs = self._select(args, kwargs)
+            if graphs is None:
+                raise _errors_shapes.not_captured_after_precapture(type(self).__name__)
             graphs.precapturing = True
             try:
                 for _ in range(self._warmup):
