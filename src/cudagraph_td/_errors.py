@@ -28,16 +28,19 @@ def reset_hint(name: str) -> str:
 
 
 class InputMismatchError(ValueError):
-    """A call's input differs from the captured one (shape, dtype, device, value, structure).
+    """A call's input differs from the captured one (shape, dtype, device, value, structure),
+    or shares memory with another input where the graph writes into one of them.
 
     A ``ValueError``, as tensordict raises for such calls, that says where and how:
 
     Attributes:
         path: The input, as the user wrote it (``args[0]["next", "obs"]``, ``kwargs["x"]``),
-            or ``"(args, kwargs)"`` for the structure of the whole call.
+            or ``"(args, kwargs)"`` for the structure of the whole call; for inputs that
+            share memory, the one that the graph writes.
         captured: What the capture had there (a shape, a dtype, a device, a value; for a
-            structure, the paths that are missing now).
-        received: What the call passed (for a structure, the paths that are new).
+            structure, the paths that are missing now; ``"memory of its own"``).
+        received: What the call passed (for a structure, the paths that are new;
+            ``"memory shared with args[1]"``).
     """
 
     def __init__(self, message: str, path: str, captured: Any, received: Any):
@@ -114,6 +117,19 @@ def device_mismatch(name: str, path: str, captured: Any, received: Any) -> Input
         path,
         captured,
         received,
+    )
+
+
+def overlapping_inputs(name: str, written: str, other: str) -> InputMismatchError:
+    return InputMismatchError(
+        f"{name} received {written} and {other} in overlapping memory, and its graph writes "
+        f"into {written} in place. The graph works on its own copy of each input, so {other} "
+        f"would not see that write, as it does in an eager call: pass tensors that share no "
+        f"memory (`.clone()` one of them), or return the new value of {written} instead of "
+        "writing into it.",
+        written,
+        "memory of its own",
+        f"memory shared with {other}",
     )
 
 

@@ -76,6 +76,10 @@ def make_graphed_callables(
             requires grad is unused and ``allow_unused_input`` is ``False``.
         RuntimeError: Autocast with its cache enabled; a capture failure (see
             ``CudaGraphModule``).
+        InputMismatchError: Raised by a graphed callable when it is called (a
+            ``ValueError``): an input differs from the samples, or shares memory with an
+            input that the callable updates in place (such updates reach the caller's
+            tensors, as in eager mode).
 
     Examples:
         >>> import torch
