@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _errors, _sharing, _tree
+from ._aliasing import WrittenInputs, versions, written
 from ._backend import Backend, CudaBackend, Graph
 from ._compat import foreach_copy_, graph_replay
 from ._outputs import Outputs
@@ -150,18 +151,31 @@ class DifferentiableCall:
         self.generation = 0  # the number of forwards replayed: a backward must be the last's
         self._graphs = (forward.graph, backward.graph)  # held for the life of the call
         self._saved = forward.saved
+        # The inputs that the forward writes in place, copied back to the caller's tensors;
+        # a call where another input shares their memory is refused (see `_aliasing`).
         self._mutated = mutated
         self._mutated_static = [signature.static_inputs[i] for i in mutated]
+        self._writes = WrittenInputs(signature, mutated)
 
     def launch(
         self, tensors: Sequence[torch.Tensor], ungraded: tuple[str, ...] = ()
     ) -> Sequence[torch.Tensor]:
         """Replay the forward on ``tensors`` (checked) inside the autograd node, whose
         backward refuses to run if ``ungraded`` names inputs (see ``ungraded``)."""
+        if self._mutated:  # decided at capture: a graph that writes no input checks nothing
+            return self._launch_writing(tensors, ungraded)
+        return _GraphedFunction.apply(self, ungraded, *tensors, *self.params)  # type: ignore[no-any-return]
+
+    def _launch_writing(
+        self, tensors: Sequence[torch.Tensor], ungraded: tuple[str, ...]
+    ) -> Sequence[torch.Tensor]:
+        """``launch`` for a forward that writes into inputs: refused, before anything is
+        copied, if another input shares their memory; their new values reach the caller, as
+        in eager mode."""
+        self._writes.check(tensors)
         outputs = _GraphedFunction.apply(self, ungraded, *tensors, *self.params)
-        if self._mutated:  # in-place updates of inputs reach the caller, as in eager
-            with torch.no_grad():
-                foreach_copy_([tensors[i] for i in self._mutated], self._mutated_static)
+        with torch.no_grad():
+            foreach_copy_([tensors[i] for i in self._mutated], self._mutated_static)
         return outputs  # type: ignore[no-any-return]
 
     def ungraded(self, tensors: Sequence[torch.Tensor]) -> tuple[str, ...]:
@@ -208,7 +222,11 @@ class Capture:
         self.backend = backend
         self.signature = signature
         self.allow_unused_input = allow_unused_input
+        # The inputs that the forward writes in place: read from the static inputs once the
+        # forward has run on them (see `_aliasing`), else ``mutated``, an eager run's.
         self.mutated = mutated
+        self._versions = versions(signature.static_inputs)
+        self._ran = False  # whether the forward ran on the static inputs
         self.call: DifferentiableCall | None = None  # built by capture_backward
         self._forward: ForwardGraph | None = None
         self.grad_inputs = [i for i, t in enumerate(signature.static_inputs) if t.requires_grad]
@@ -231,6 +249,7 @@ class Capture:
             self._params = _leaves_requiring_grad(_differentiable_leaves(outputs), inputs)
 
     def _run_forward(self) -> Any:
+        self._ran = True
         args, kwargs = self.signature.static_tree()
         self._latest = self.fn(*args, **kwargs)
         return self._latest
@@ -360,8 +379,11 @@ class Capture:
         order = None
         if isinstance(self.backend, CudaBackend):
             order = _sharing.replay_order(self.backend.device.index)
+        mutated = self.mutated
+        if self._ran:
+            mutated = written(self.signature.static_inputs, self._versions)
         self.call = DifferentiableCall(
-            self.name, self.signature, self.mutated, self._params, forward, backward, state, order
+            self.name, self.signature, mutated, self._params, forward, backward, state, order
         )
         self._forward = None
         return self.call

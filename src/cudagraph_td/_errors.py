@@ -2,15 +2,15 @@
 
 Every user error names the offending leaf by its path, shows what was captured and what was
 received, and says how to fix it. Every message is built here, or, for the state around a
-graph (parameters, optimizers, training steps), in ``_errors_state``, so that the wording
-stays consistent across the library; ``docs/sharp-edges.md`` lists them by case.
+graph (parameters, optimizers, training steps), in ``_errors_state``, for ``shapes=`` in
+``_errors_shapes``, for the arguments of ``make_graphed_callables`` in ``_errors_graphed``,
+so that the wording stays consistent across the library; ``docs/sharp-edges.md`` lists
+them by case.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-import torch
 
 from ._capture_causes import CAPTURE_CAUSES
 
@@ -28,16 +28,19 @@ def reset_hint(name: str) -> str:
 
 
 class InputMismatchError(ValueError):
-    """A call's input differs from the captured one (shape, dtype, device, value, structure).
+    """A call's input differs from the captured one (shape, dtype, device, value, structure),
+    or shares memory with another input where the graph writes into one of them.
 
     A ``ValueError``, as tensordict raises for such calls, that says where and how:
 
     Attributes:
         path: The input, as the user wrote it (``args[0]["next", "obs"]``, ``kwargs["x"]``),
-            or ``"(args, kwargs)"`` for the structure of the whole call.
+            or ``"(args, kwargs)"`` for the structure of the whole call; for inputs that
+            share memory, the one that the graph writes.
         captured: What the capture had there (a shape, a dtype, a device, a value; for a
-            structure, the paths that are missing now).
-        received: What the call passed (for a structure, the paths that are new).
+            structure, the paths that are missing now; ``"memory of its own"``).
+        received: What the call passed (for a structure, the paths that are new;
+            ``"memory shared with args[1]"``).
     """
 
     def __init__(self, message: str, path: str, captured: Any, received: Any):
@@ -114,6 +117,19 @@ def device_mismatch(name: str, path: str, captured: Any, received: Any) -> Input
         path,
         captured,
         received,
+    )
+
+
+def overlapping_inputs(name: str, written: str, other: str) -> InputMismatchError:
+    return InputMismatchError(
+        f"{name} received {written} and {other} in overlapping memory, and its graph writes "
+        f"into {written} in place. The graph works on its own copy of each input, so {other} "
+        f"would not see that write, as it does in an eager call: pass tensors that share no "
+        f"memory (`.clone()` one of them), or return the new value of {written} instead of "
+        "writing into it.",
+        written,
+        "memory of its own",
+        f"memory shared with {other}",
     )
 
 
@@ -356,57 +372,4 @@ def verification_failed(name: str, replay: int, path: str, detail: str) -> str:
         "graph keeps as a constant: pass it as a tensor input; or random numbers, which the "
         "replay and the eager run draw differently (a function that draws them cannot be "
         "verified). Call `reset()` to capture the graph again."
-    )
-
-
-def sample_args_not_tuples(received: Any) -> TypeError:
-    """``received``: the callable's sample arguments that are not a tuple (nor a list of
-    tuples)."""
-    got = f"a {type(received).__name__}"
-    if isinstance(received, torch.Tensor):
-        got = "a bare tensor: pass `(x,)`, a tuple of the arguments"
-    elif isinstance(received, list) and any(isinstance(x, torch.Tensor) for x in received):
-        got = "a list of tensors: pass a tuple of the arguments, or a list of such tuples"
-    return TypeError(
-        "`sample_args` must be a tuple of arguments for one callable (or a list of such "
-        "tuples, one graph pair per shape), or a tuple of those for a tuple of callables; "
-        f"got {got}."
-    )
-
-
-def sample_kwargs_not_dicts() -> TypeError:
-    return TypeError(
-        "`sample_kwargs` must be a dict (or a list of dicts, one per shape) for one callable, "
-        "or a tuple of those."
-    )
-
-
-def sample_counts(callables: int, args: int, kwargs: int) -> TypeError:
-    return TypeError(
-        f"{callables} callables need as many sample argument tuples; got {args} "
-        f"`sample_args` and {kwargs} `sample_kwargs`."
-    )
-
-
-def hooks_registered(module: str, where: str, kind: str) -> ValueError:
-    return ValueError(
-        f"make_graphed_callables({module}): {where} has {kind} hooks registered. Hooks cannot "
-        "run inside a graph: register them after make_graphed_callables (they then run around "
-        "the graphed forward), or remove them."
-    )
-
-
-def buffer_requires_grad(module: str, buffer: str) -> ValueError:
-    return ValueError(
-        f"make_graphed_callables({module}): the buffer `{buffer}` requires grad. Only "
-        "parameters may be trainable: make it an `nn.Parameter`, or call "
-        "`requires_grad_(False)` on it."
-    )
-
-
-def autocast_cache() -> RuntimeError:
-    return RuntimeError(
-        "make_graphed_callables cannot capture under autocast with its cache enabled: the "
-        "cache would keep casts made during the capture. Use "
-        "`torch.autocast(..., cache_enabled=False)`."
     )

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from . import _errors, _errors_state, _replay, _training, _tree
+from ._aliasing import WrittenInputs, versions, written
 from ._autograd import capture_differentiable
 from ._backend import Backend, Graph
-from ._compat import foreach_copy_, graph_replay, version
+from ._compat import foreach_copy_, graph_replay
 from ._outputs import Outputs
 from ._signature import Signature, validate
 from ._state import State
@@ -45,9 +46,11 @@ class GraphCall:
         self._watch = watch
         self._static_inputs = signature.static_inputs
         self._replay = graph_replay(graph)
-        # The inputs that the function writes in place, copied back to the caller's tensors.
+        # The inputs that the function writes in place, copied back to the caller's tensors;
+        # a call where another input shares their memory is refused (see `_aliasing`).
         self._mutated = mutated
         self._mutated_static = [signature.static_inputs[i] for i in mutated]
+        self._writes = WrittenInputs(signature, mutated)
         self._fresh = outputs.copies.make
         # One tensor in and one out, nothing else to do: the replay path launches it itself.
         one = len(self._static_inputs) == 1 and len(outputs.static) == 1
@@ -64,11 +67,20 @@ class GraphCall:
         """Copy ``tensors`` (checked) into the static inputs, replay, return fresh outputs."""
         if self._watch is not None:  # a training step: its gradients and hyperparameters
             self._watch()
+        if self._mutated:  # decided at capture: a graph that writes no input checks nothing
+            return self._launch_writing(tensors)
         if tensors:
             foreach_copy_(self._static_inputs, tensors)  # type: ignore[arg-type]
         self._replay()
-        if self._mutated:  # in-place updates of inputs reach the caller, as in eager
-            foreach_copy_([tensors[i] for i in self._mutated], self._mutated_static)
+        return self._fresh()
+
+    def _launch_writing(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """``launch`` for a graph that writes into inputs: refused, before anything is copied,
+        if another input shares their memory; their new values reach the caller, as in eager."""
+        self._writes.check(tensors)
+        foreach_copy_(self._static_inputs, tensors)  # type: ignore[arg-type]
+        self._replay()
+        foreach_copy_([tensors[i] for i in self._mutated], self._mutated_static)
         return self._fresh()
 
 
@@ -89,7 +101,7 @@ def capture(
     signature = Signature(name, args, kwargs, backend.device, allow_grad=grad)
     inputs = signature.read(args, kwargs)
     assert inputs is not None
-    versions = _versions(inputs)
+    before = versions(inputs)
     observed = _training.Observation(fn)
     try:
         result = backend.warmup(lambda: fn(*args, **kwargs))
@@ -98,8 +110,10 @@ def capture(
     if observed.after_eager_run() and grad and (path := _path_requiring_grad(result)):
         raise _errors_state.step_output_requires_grad(name, path)
     # The function wrote into these inputs (their version counters moved): each replay
-    # copies them back to the caller's tensors.
-    mutated = _written(inputs, versions)
+    # copies them back to the caller's tensors. The caller's tensors may share a version
+    # counter (one tensor passed twice, views of one): the graph's own copies, which the
+    # capture runs the function on, tell which ones the graph writes (see `_aliasing`).
+    mutated = written(inputs, before)
     if grad and _path_requiring_grad(result):
         # Autograd holds the parameters it differentiates: they are followed by identity too.
         follow = functools.partial(observed.state, name, identity=True)
@@ -117,16 +131,16 @@ def capture(
         static_args, static_kwargs = signature.static_tree()
         return fn(*static_args, **static_kwargs)
 
-    static_versions = _versions(signature.static_inputs)
+    static_versions = versions(signature.static_inputs)
     try:
         graph, static_out = observed.record(lambda: backend.capture(run_static, like=result))
     except Exception as err:
         raise _errors.capture_failure(name, "capture the graph", err) from err
-    # Inference tensors (made under `torch.inference_mode()`) count no versions: whether the
-    # function writes into one is read from the graph's own copy of it, which counts them.
-    unknown = [i for i, v in enumerate(versions) if v is None]
-    written = set(_written(signature.static_inputs, static_versions))
-    mutated += [i for i in unknown if i in written]
+    # Read from the graph's own copies, which count versions for inference tensors too (made
+    # under `torch.inference_mode()`); an emulated DDP step, whose capture runs nothing,
+    # keeps the eager run's.
+    if not backend.reruns_python:
+        mutated = written(signature.static_inputs, static_versions)
     outputs = Outputs(name, static_out, backend.device)
     watch = observed.watch(name)
     if watch is not None and backend.reruns_python:
@@ -134,17 +148,6 @@ def capture(
     # A training step's optimizers hold its parameters: followed by identity too.
     state = observed.state(name, identity=watch is not None)
     return GraphCall(signature, graph, outputs, mutated, watch, state), result
-
-
-def _versions(tensors: Sequence[torch.Tensor]) -> list[int | None]:
-    """The tensors' version counters; ``None`` for inference tensors, which have none."""
-    return [None if t.is_inference() else version(t) for t in tensors]
-
-
-def _written(tensors: Sequence[torch.Tensor], versions: list[int | None]) -> list[int]:
-    """The indices of the tensors whose version counter moved past ``versions``."""
-    pairs = enumerate(zip(tensors, versions, strict=True))
-    return [i for i, (t, v) in pairs if v is not None and version(t) != v]
 
 
 def _path_requiring_grad(tree: Any) -> str | None:

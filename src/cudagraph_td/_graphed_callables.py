@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import torch
 
-from . import _errors, _errors_state, _replay
+from . import _errors, _errors_graphed, _errors_state, _replay
 from ._autograd import Capture, DifferentiableCall
 from ._backend import check_options, make_backend
 from ._compat import module_hooks
@@ -78,6 +78,10 @@ def make_graphed_callables(
             requires grad is unused and ``allow_unused_input`` is ``False``.
         RuntimeError: Autocast with its cache enabled; a capture failure (see
             ``CudaGraphModule``).
+        InputMismatchError: Raised by a graphed callable when it is called (a
+            ``ValueError``): an input differs from the samples, or shares memory with an
+            input that the callable updates in place (such updates reach the caller's
+            tensors, as in eager mode).
 
     Examples:
         >>> import torch
@@ -131,7 +135,7 @@ def make_graphed_callables(
         backends.append(make_backend(backend, None, shape_pool, capture_error_mode, example))
     device = backends[0].device
     if torch.is_autocast_enabled(device.type) and torch.is_autocast_cache_enabled():
-        raise _errors.autocast_cache()
+        raise _errors_graphed.autocast_cache()
     captures: list[list[Capture]] = [[] for _ in callables]
     for fn, each, mine in zip(callables, samples, captures, strict=True):
         name = f"{_errors.GRAPHED_CALLABLES}({_describe(fn)})"  # its errors tell by it
@@ -163,7 +167,7 @@ def _shapes_of(args: Any, kwargs: Any) -> list[tuple[Any, dict[str, Any]]]:
         return [(args, kwargs)]
     kwargs = kwargs if isinstance(kwargs, list) else [kwargs] * len(args)
     if len(kwargs) != len(args):
-        raise _errors.sample_counts(len(args), len(args), len(kwargs))
+        raise _errors_graphed.sample_counts(len(args), len(args), len(kwargs))
     return list(zip(args, kwargs, strict=True))
 
 
@@ -180,14 +184,14 @@ def _check_arguments(
     backend: str,
 ) -> None:
     if not isinstance(sample_args, tuple):
-        raise _errors.sample_args_not_tuples(sample_args)
+        raise _errors_graphed.sample_args_not_tuples(sample_args)
     for samples in sample_args:  # one callable's
         if not _all(samples, tuple):
-            raise _errors.sample_args_not_tuples(samples)
+            raise _errors_graphed.sample_args_not_tuples(samples)
     if not isinstance(sample_kwargs, tuple) or not all(_all(k, dict) for k in sample_kwargs):
-        raise _errors.sample_kwargs_not_dicts()
+        raise _errors_graphed.sample_kwargs_not_dicts()
     if not len(callables) == len(sample_args) == len(sample_kwargs):
-        raise _errors.sample_counts(len(callables), len(sample_args), len(sample_kwargs))
+        raise _errors_graphed.sample_counts(len(callables), len(sample_args), len(sample_kwargs))
     check_options(backend, capture_error_mode)
     for fn in callables:
         if isinstance(fn, torch.nn.Module):
@@ -205,10 +209,10 @@ def _check_module(module: torch.nn.Module) -> None:
     for name, sub in module.named_modules():
         for kind in module_hooks(sub):
             where = f"its submodule `{name}`" if name else "it"
-            raise _errors.hooks_registered(type(module).__name__, where, kind)
+            raise _errors_graphed.hooks_registered(type(module).__name__, where, kind)
     for name, buffer in module.named_buffers():
         if buffer.requires_grad:
-            raise _errors.buffer_requires_grad(type(module).__name__, name)
+            raise _errors_graphed.buffer_requires_grad(type(module).__name__, name)
 
 
 def _graphed(fn: Any, calls: list[DifferentiableCall]) -> Any:

@@ -53,7 +53,8 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
     non-tensor constants, passed positionally or by keyword. Every replay checks its inputs
     against the captured ones (structure, shapes, dtypes, devices, constants) and raises an
     error that names the offending leaf, before anything is copied. In-place updates of
-    input tensors by the function reach the caller, as in eager mode.
+    input tensors by the function reach the caller, as in eager mode, and a replay refuses
+    inputs that share memory with one it updates (the graph would not see the update there).
 
     A module with ``in_keys`` (a TensorDictModule), or a function given ``in_keys``, is
     called as a TensorDictModule is: with a TensorDict, whose ``in_keys`` entries feed the
