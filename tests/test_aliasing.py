@@ -191,7 +191,7 @@ def test_consolidated_tensordict_entries_replay(backend: Backend) -> None:
     graphed = backend.wrap(step, warmup=2)
     for _ in range(4):
         td = TensorDict(h=backend.randn(4, 2), obs=backend.randn(4, 2), batch_size=[4])
-        td = td.consolidate()
+        td = td.consolidate(device=backend.device)  # on CUDA, else it comes back on the CPU
         twin = td.clone()
         torch.testing.assert_close(graphed(td), step(twin))
         torch.testing.assert_close(td["h"], twin["h"])
@@ -246,6 +246,7 @@ def test_grad_mode_graph_refuses_aliased_inputs(backend: Backend) -> None:
         out.sum().backward()
         expected.sum().backward()
         torch.testing.assert_close(net.weight.grad, twin.weight.grad)
+        del out, expected  # no autograd graph of a call alive at the next (see Gradients)
     x = backend.randn(2, 3)
     with pytest.raises(InputMismatchError, match=re.escape("args[0] and args[1]")):
         graphed(x, x)
