@@ -341,3 +341,75 @@ def test_tensorclass_inputs_are_padded_and_counted(backend: Backend) -> None:
     assert set(infos) == {(4,), (2,)}
     assert infos[(4,)].replays == 3  # 3, 4 and 3 rows of 4
     assert infos[(4,)].padded == pytest.approx(2 / 12)
+
+
+# Padding checked, not assumed (see `_row_check`): functions whose rows depend on each other.
+ROW_DEPENDENT = {
+    "centred": lambda x: x - x.mean(0, keepdim=True),
+    "softmax-over-the-batch": lambda x: torch.softmax(x, dim=0),
+    "scaled-by-the-batch-max": lambda x: x / x.abs().amax(0, keepdim=True),
+}
+
+
+@pytest.mark.parametrize("case", list(ROW_DEPENDENT))
+@pytest.mark.parametrize("buckets", [None, [8, 16]], ids=["powers-of-two", "listed"])
+def test_a_function_whose_rows_depend_on_each_other_is_refused_at_its_first_padded_call(
+    backend: Backend, case: str, buckets: list[int] | None
+) -> None:
+    fn = ROW_DEPENDENT[case]
+    graphed = backend.wrap(fn, warmup=2, shapes="buckets", buckets=buckets)
+    message = "the rows of output that the call keeps changed when only the padded rows did"
+    with torch.no_grad():
+        x = backend.randn(8, 3)  # below the first listed bucket's warm-up (16): padded
+        if buckets is None:  # a bucket of its own size: nothing padded, eager's answer
+            for _ in range(3):
+                torch.testing.assert_close(graphed(x), fn(x))
+            x = backend.randn(5, 3)
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            graphed(x)  # never a padded answer, not even from a warm-up
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            graphed(x)
+
+
+def test_a_row_independent_function_passes_the_check_once_per_bucket(backend: Backend) -> None:
+    net = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 2)).to(backend.device)
+    noisy = counting(lambda x: net(x) + 0.1 * torch.randn(x.shape[0], 2, device=x.device))
+    graphed = backend.wrap(noisy, warmup=2, shapes="buckets")
+    with torch.no_grad():
+        for n in (5, 6, 7, 8, 3):  # buckets 8, 8, 8, 8 and 4
+            assert graphed(backend.randn(n, 3)).shape == (n, 2)
+    # Bucket 8: the check's two runs, a warm-up and the capture's two (its eager run and its
+    # recording); bucket 4: the check's two runs and a warm-up.
+    assert noisy.calls == 5 + 3
+    declared = counting(net)
+    graphed = backend.wrap(declared, warmup=2, shapes="buckets", row_independent=True)
+    with torch.no_grad():
+        for n in (5, 6, 7):
+            x = backend.randn(n, 3)
+            torch.testing.assert_close(graphed(x), net(x))
+    assert declared.calls == 3  # declared: no check (a warm-up, the capture's two runs)
+
+
+def test_batchnorm_in_training_mode_is_refused_for_padding_and_its_statistics_kept(
+    backend: Backend,
+) -> None:
+    # Observation normalisation while collecting: the running statistics must not move
+    # with the padded rows.
+    norm = nn.BatchNorm1d(4).to(backend.device)
+    twin = copy.deepcopy(norm)
+    graphed = backend.wrap(norm, warmup=2, shapes="buckets", buckets=[8])
+    with torch.no_grad():
+        for _ in range(3):  # a full bucket: no padding, eager's statistics
+            x = backend.randn(8, 4)
+            torch.testing.assert_close(graphed(x), twin(x))
+        message = "updates the state it reads in place (`module.running_mean`, `module.running_var`"
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            graphed(backend.randn(5, 4))
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(norm, name), getattr(twin, name))
+    norm.eval()  # in eval mode it reads its statistics only: padded, as eager
+    twin.eval()
+    with torch.no_grad():
+        for n in (5, 3, 7):
+            x = backend.randn(n, 4)
+            torch.testing.assert_close(graphed(x), twin(x))

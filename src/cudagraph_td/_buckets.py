@@ -15,9 +15,10 @@ from typing import Any
 import torch
 
 from . import _errors_shapes, _padding, _replay
-from ._graph import GraphCall, GraphRunner
+from ._graph import GraphCall, GraphRunner, capture_turn
 from ._outputs import Outputs
 from ._replay import Captured
+from ._row_check import check_rows
 from ._shapes import Graphs, exact_key
 from ._signature import Signature
 
@@ -26,6 +27,9 @@ class BucketGraphs(Graphs):
     """The graphs of one mode, one per bucket size, chosen by the call's batch dims."""
 
     _lead: GraphRunner | None = None  # the largest listed bucket's, while it warms up
+    # The buckets whose padding was checked (see `_row_check`), learned at the first call
+    # that each one pads.
+    _checked: frozenset[tuple[int, ...]] = frozenset()
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.replayed = self._served = None
@@ -39,6 +43,7 @@ class BucketGraphs(Graphs):
             return self._overflow(args, kwargs, batch, elsewhere=own is not None)
         if torch.is_grad_enabled() and not options.row_independent:
             raise _errors_shapes.padding_refused(self.name, "calls in grad mode")
+        self._check(size, batch, args, kwargs)
         runner = self.runners.get(size)
         if runner is not None and isinstance(runner.captured, GraphCall):
             view = self._rows(size, runner.captured, batch, args, kwargs)
@@ -59,6 +64,19 @@ class BucketGraphs(Graphs):
         self._refuse_training_step(size, runner)
         self._answer(size, runner, batch, args, kwargs)
         return _padding.rows(self.name, out, size, batch)
+
+    def _check(
+        self, size: tuple[int, ...], batch: tuple[int, ...], args: Any, kwargs: dict[str, Any]
+    ) -> None:
+        """The first time the bucket ``size`` pads a call, check that the function's rows
+        are independent of each other (see `_row_check`); not if the user says they are."""
+        options = self.options
+        if batch == size or size in self._checked or options.row_independent:
+            return
+        if options.agreement is None:  # a DDP step is a training step: refused anyway
+            with capture_turn(self._lock):  # the function runs only under it
+                check_rows(self.name, self._fn, args, kwargs, size, batch)
+        self._checked = self._checked | {size}
 
     def _answer(
         self,
@@ -93,6 +111,7 @@ class BucketGraphs(Graphs):
     ) -> Any:
         """Warm up the largest graph of ``group`` on this call (padded); at its capture,
         capture every graph of the group, largest first, and answer with this call's."""
+        self._check(group[0], batch, args, kwargs)  # its warm-ups pad the call to it
         lead = self._lead = self._lead or self._new_runner()
         if lead.counter < lead.warmup - 1:
             out = lead.run(*_padding.resize(args, kwargs, group[0]))

@@ -72,6 +72,27 @@ def above_buckets(name: str, batch: Any, buckets: Any, elsewhere: bool = False) 
     )
 
 
+def padding_moves_state(name: str, paths: list[str]) -> RuntimeError:
+    shown = ", ".join(f"`{p}`" for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
+    return RuntimeError(
+        f'{name}(shapes="buckets") does not pad a call of a function that updates the state '
+        f"it reads in place ({shown}; put back as it was): the padded rows would move it, "
+        "as a BatchNorm's running statistics in training mode. Call it in eval mode, use "
+        'shapes="exact" (one graph per batch size), or pass row_independent=True if the '
+        f"update does not depend on the rows. {_SHARP_EDGES}"
+    )
+
+
+def rows_depend_on_padding(name: str, path: str, batch: Any, size: Any) -> RuntimeError:
+    return RuntimeError(
+        f'{name}(shapes="buckets") padded a call of batch dims {list(batch)} to the bucket '
+        f"{list(size)}, and checked it: the rows of {path} that the call keeps changed when "
+        "only the padded rows did. The function computes across the batch (a mean, a "
+        "softmax or a normalisation over dim 0), so a padded graph would answer wrongly. "
+        f'Use shapes="exact" (one graph per batch size). {_SHARP_EDGES}'
+    )
+
+
 def too_many_graphs(
     name: str, max_graphs: int, seen: list[Any], overflow: str, what: str = "Shapes"
 ) -> str:
