@@ -79,8 +79,8 @@ def test_buckets_replay_smaller_batches_through_the_bucket_graph(backend: Backen
     (info,) = graphed.graphs()
     assert info.key == (16,) and info.replays == 4
     assert info.padded == pytest.approx(1 - (3 + 11 + 11 + 1) / 64)
-    if backend.name == "cuda":  # a replay runs no Python: two warm-up runs and the capture
-        assert fn.calls == 3
+    if backend.name == "cuda":  # a replay runs no Python: the padding check's two runs, a
+        assert fn.calls == 5  # warm-up and the capture's two (its eager run and its recording)
 
 
 @torch.no_grad()
@@ -153,6 +153,7 @@ def test_row_independent_pads_in_grad_mode_with_eager_gradients(backend: Backend
         out.pow(2).sum().backward()
         twin(x_twin).pow(2).sum().backward()
         torch.testing.assert_close(x.grad, x_twin.grad)
+        del out  # no call's autograd graph alive at a new shape's capture (see Several shapes)
     for p, q in zip(net.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
 
