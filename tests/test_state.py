@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import io
 import re
 import threading
 import time
@@ -344,3 +345,52 @@ def test_a_call_on_another_stream_waits_for_the_last_call() -> None:
         torch.cuda.synchronize()
     torch.testing.assert_close(out, torch.full((1024,), 2.0, device="cuda"))
     torch.testing.assert_close(other, torch.full((1024,), 6.0, device="cuda"))
+
+
+@pytest.mark.parametrize("saved_at", [0, 3, 8], ids=["at-start", "mid-run", "at-the-end"])
+def test_a_resumed_run_tracks_its_resumed_eager_twin(backend: Backend, saved_at: int) -> None:
+    # Issue 30's sequence: a whole step (warmup=3, Adam capturable=True) called 8 times, a
+    # checkpoint saved through torch.save and loaded into the model and the optimizer, the
+    # same for an eager twin; then both go on.
+    def agent() -> tuple[Any, nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 1)).to(backend.device)
+        opt = torch.optim.Adam(net.parameters(), lr=1e-2, capturable=True)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad(set_to_none=True)
+            loss = (net(x) - y).square().mean()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        return step, net, opt
+
+    def saved(net: nn.Module, opt: torch.optim.Optimizer) -> Any:
+        buffer = io.BytesIO()
+        torch.save((net.state_dict(), opt.state_dict()), buffer)
+        buffer.seek(0)
+        return torch.load(buffer, map_location=backend.device)
+
+    step, net, opt = agent()
+    twin_step, twin_net, twin_opt = agent()
+    graphed = backend.wrap(step, warmup=3)
+    data = [(backend.randn(16, 4), backend.randn(16, 1)) for _ in range(14)]
+    checkpoints = []
+    for i, (x, y) in enumerate(data[:8]):
+        if i == saved_at:
+            checkpoints = [saved(net, opt), saved(twin_net, twin_opt)]
+        torch.testing.assert_close(graphed(x, y), twin_step(x, y))
+    if saved_at == 8:
+        checkpoints = [saved(net, opt), saved(twin_net, twin_opt)]
+    for (weights, state), (module, optimizer) in zip(
+        checkpoints, [(net, opt), (twin_net, twin_opt)], strict=True
+    ):
+        module.load_state_dict(weights)
+        optimizer.load_state_dict(state)
+    with pytest.warns(RecaptureWarning, match=re.escape("`opt.state`")):
+        torch.testing.assert_close(graphed(*data[8]), twin_step(*data[8]))
+    for x, y in data[9:]:
+        torch.testing.assert_close(graphed(x, y), twin_step(x, y))
+    for p, q in zip(net.parameters(), twin_net.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
