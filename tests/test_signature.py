@@ -55,8 +55,9 @@ def test_wrong_shape(backend: Backend) -> None:
         bad,
         ValueError,
         'CudaGraphModule was captured with kwargs["obs"] of shape (3,), but received shape (5,). '
-        "A CUDA graph replays fixed shapes: pass an input of the captured shape, use one "
-        f"CudaGraphModule per shape, {HINT}",
+        "A CUDA graph replays fixed shapes: pass an input of the captured shape, make the "
+        'CudaGraphModule with shapes="exact" (a graph per shape) or shapes="buckets" (batch '
+        f"sizes padded to a few graphs), {HINT}",
     )
 
 

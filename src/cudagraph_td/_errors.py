@@ -75,13 +75,22 @@ def invalid_option(option: str, value: Any, valid: Any) -> ValueError:
     return ValueError(f"`{option}` must be {choices}, got {value!r}.")
 
 
+def _several_shapes(name: str) -> str:
+    if name.startswith(GRAPHED_CALLABLES):
+        return "give `sample_args` a list of samples, one per shape (a graph pair for each)"
+    return (
+        f'make the {name} with shapes="exact" (a graph per shape) or shapes="buckets" (batch '
+        "sizes padded to a few graphs)"
+    )
+
+
 def shape_mismatch(
     name: str, path: str, captured: tuple[int, ...], received: tuple[int, ...]
 ) -> InputMismatchError:
     return InputMismatchError(
         f"{name} was captured with {path} of shape {tuple(captured)}, but received shape "
         f"{tuple(received)}. A CUDA graph replays fixed shapes: pass an input of the captured "
-        f"shape, use one {name} per shape, {reset_hint(name)}.",
+        f"shape, {_several_shapes(name)}, {reset_hint(name)}.",
         path,
         tuple(captured),
         tuple(received),
