@@ -452,3 +452,12 @@ def test_tensordict_and_keyword_calls_replay_one_graph(backend: Backend, first: 
                 ValueError, match=re.escape("of batch size [8], but received batch size []")
             ):
                 policy(other)
+
+
+def test_a_call_without_input_raises_the_exported_key_error(backend: Backend) -> None:
+    import cudagraph_td
+
+    net = nn.Linear(4, 2).to(backend.device)
+    policy = backend.wrap(TensorDictModule(net, in_keys=["obs"], out_keys=["act"]), warmup=2)
+    with pytest.raises(cudagraph_td.InputKeyError, match=re.escape("lacks the in_keys ['obs']")):
+        policy()  # a KeyError, as tensordict's module raises

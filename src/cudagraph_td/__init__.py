@@ -1,6 +1,7 @@
 """CUDA graphs made easy and safe for PyTorch and TensorDict users."""
 
 from ._compat import capturable_on_cpu as capturable_on_cpu
+from ._errors import InputKeyError as InputKeyError
 from ._errors import InputMismatchError as InputMismatchError
 from ._errors_shapes import GraphLimitWarning as GraphLimitWarning
 from ._graphed_callables import make_graphed_callables as make_graphed_callables
@@ -13,6 +14,7 @@ from ._version import __version__ as __version__
 __all__ = [
     "CudaGraphModule",
     "GraphLimitWarning",
+    "InputKeyError",
     "InputMismatchError",
     "RecaptureWarning",
     "VerificationError",

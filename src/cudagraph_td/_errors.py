@@ -64,6 +64,9 @@ class InputKeyError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+InputKeyError.__module__ = "cudagraph_td"  # where users import it from
+
+
 def _short(value: Any, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
