@@ -147,9 +147,19 @@ def record(name: str, **values: Any) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    # The skipped tests, one line per reason (most need a GPU: run scripts/gpu_check.sh).
+    reasons: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else "skipped"
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    if reasons:
+        terminalreporter.section("skipped tests, by reason")
+        for reason, count in sorted(reasons.items(), key=lambda item: -item[1]):
+            terminalreporter.write_line(f"{count:5d}  {reason}")
     if not FIGURES:
         return
-    terminalreporter.section("reliability figures")
+    terminalreporter.section("reliability figures (measured by tests/test_reliability.py)")
     for name, values in FIGURES.items():
         text = ", ".join(f"{key}: {value}" for key, value in values.items())
         terminalreporter.write_line(f"{name}: {text}")
