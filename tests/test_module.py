@@ -265,6 +265,32 @@ def test_without_cuda_warns_once_then_calls_the_function(monkeypatch: pytest.Mon
     assert "eager (no CUDA)" in repr(graphed)
 
 
+def test_without_cuda_a_training_step_with_a_capturable_optimizer_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The docs' training-step recipe, as written for a GPU, on a machine without CUDA: torch
+    # refuses capturable=True for CPU parameters; the eager calls of the fallback allow it.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    net = nn.Linear(3, 1)
+    opt = torch.optim.Adam(net.parameters(), lr=torch.tensor(0.1), capturable=True)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=False)
+        loss = net(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    with pytest.warns(UserWarning, match=re.escape('pass backend="emulate"')):
+        graphed = CudaGraphModule(step)
+    before = net.weight.detach().clone()
+    for _ in range(3):
+        graphed(torch.randn(8, 3))
+    assert not torch.equal(net.weight, before)  # it stepped
+    with pytest.raises(Exception, match="capturable=True"):  # outside a call: torch's refusal
+        step(torch.randn(8, 3))
+
+
 def test_backend_cuda_without_cuda_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match=re.escape("backend='cuda') needs CUDA")):

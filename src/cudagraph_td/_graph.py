@@ -20,7 +20,7 @@ from . import _errors, _errors_state, _replay, _training, _tree
 from ._aliasing import WrittenInputs, versions, written
 from ._autograd import capture_differentiable
 from ._backend import Backend, Graph
-from ._compat import foreach_copy_, graph_replay
+from ._compat import capturable_on_cpu, foreach_copy_, graph_replay
 from ._outputs import Outputs
 from ._signature import Signature, validate
 from ._state import State
@@ -233,8 +233,9 @@ class GraphRunner:
             state.recapture(self.name)
             self.captured = self.replay = self.backend = None
             self.counter = 0
-        if self.make_backend is None:
-            return self.fn(*args, **kwargs)
+        if self.make_backend is None:  # no CUDA: eager calls, capturable optimizers allowed
+            with capturable_on_cpu():  # so that a training step's code runs as on a GPU
+                return self.fn(*args, **kwargs)
         return self._prepare(args, kwargs)
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -199,7 +199,9 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         if self._backend_name == "eager":
             warnings.warn(
                 "CudaGraphModule is created on a machine without CUDA: calls run the function "
-                "eagerly, with no graph and no input checks.",
+                "eagerly, with no graph and no input checks (optimizers built with "
+                "capturable=True step on the CPU in them). To test the graphed code on the "
+                'CPU (static buffers, replays, capture errors), pass backend="emulate".',
                 UserWarning,
                 stacklevel=2,
             )
