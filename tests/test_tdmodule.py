@@ -270,6 +270,45 @@ def test_lazy_stack_input(backend: Backend) -> None:
         torch.testing.assert_close(td["action"], actor.module(td["observation"]))
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("capture", ["lazy", "dense"])
+def test_lazy_stack_and_dense_tensordict_replay_one_graph(backend: Backend, capture: str) -> None:
+    # tensordict's `test_tdmodule_lazy_and_dense_inputs`: the module reads the same entries
+    # from a lazy stack and from a dense TensorDict, eagerly and through tensordict's class.
+    actor = _actor(backend)
+    graphed = backend.wrap(actor, warmup=2)
+
+    def make(lazy: bool) -> Any:
+        td = _obs_td(backend, batch=3)
+        return LazyStackedTensorDict(*td.unbind(0), stack_dim=0) if lazy else td
+
+    for _ in range(3):
+        graphed(make(capture == "lazy"))
+    for lazy in (capture != "lazy", capture == "lazy", capture != "lazy"):
+        td = make(lazy)
+        expected = actor.module(td["observation"])
+        assert graphed(td) is td
+        torch.testing.assert_close(td["action"], expected)
+    assert graphed.is_captured
+    with pytest.raises(ValueError, match="but received shape"):
+        graphed(TensorDict(observation=backend.randn(3, 5), batch_size=[3]))
+
+
+def test_an_in_key_given_to_a_function_that_no_call_holds(backend: Backend) -> None:
+    # tensordict's `test_tdmodule_uncaptured_in_key_missing`: the function does not read
+    # the key, and runs as it does eagerly. A TensorDictModule reads each of its in_keys:
+    # it is refused (`test_missing_in_key_is_a_key_error`).
+    graphed = backend.wrap(
+        lambda td: td.set("y", td["x"] + 1), warmup=2, in_keys=["x", "unused"], out_keys=["y"]
+    )
+    for _ in range(4):
+        td = TensorDict(x=backend.randn(3), w=backend.randn(3), batch_size=[3])
+        torch.testing.assert_close(graphed(td)["y"], td["x"] + 1)
+    td = graphed(TensorDict(x=torch.ones(3, device=backend.device), batch_size=[3]))
+    torch.testing.assert_close(td["y"], torch.full((3,), 2.0, device=backend.device))
+    assert graphed.is_captured
+
+
 def test_non_tensor_entries_are_checked_constants(backend: Backend) -> None:
     def fn(td: TensorDict) -> torch.Tensor:
         return td["x"] * (2 if td["mode"] == "double" else 3)

@@ -123,6 +123,38 @@ def test_torch_global_pytree_registry_is_untouched() -> None:
     assert result.stdout.strip() == "untouched"
 
 
+def test_a_lazy_stack_in_the_first_call_of_a_process() -> None:
+    # Types are registered at first sight. A lazy stack met before any TensorDict shows
+    # TensorDicts once registered: they are registered too (their entries were taken for
+    # constants, and a wrapper's first call with a lazy stack refused). A fresh interpreter,
+    # as the registry is the process's.
+    script = textwrap.dedent(
+        """
+        import torch
+        from tensordict import LazyStackedTensorDict, TensorDict
+        from tensordict.nn import TensorDictModule
+        from cudagraph_td import CudaGraphModule, _tree
+        def lazy():
+            return LazyStackedTensorDict(
+                TensorDict(x=torch.zeros(2)), TensorDict(x=torch.ones(2)), stack_dim=0
+            )
+        print(_tree.leaf_paths(((lazy(),), {})))
+        module = TensorDictModule(lambda x: x + 1, in_keys=["x"], out_keys=["y"])
+        graphed = CudaGraphModule(module, warmup=2, backend="emulate")
+        for _ in range(3):
+            print(graphed(lazy())["y"].tolist())
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "['args[0][0][\"x\"]', 'args[0][1][\"x\"]']",
+        *["[[1.0, 1.0], [2.0, 2.0]]"] * 3,
+    ]
+
+
 def _weighted(td: TensorDict) -> torch.Tensor:
     """Entries weighted by their place in the key order (nested TensorDicts too)."""
     parts = []

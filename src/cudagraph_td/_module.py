@@ -213,7 +213,12 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         self._layer: _tdmodule.TensorDictLayer | None = None
         if self.in_keys is not None:
             self._fn = _tdmodule.recording_writes(module)
-            self._layer = _tdmodule.TensorDictLayer(name, self.in_keys, self.out_keys)
+            self._layer = _tdmodule.TensorDictLayer(
+                name,
+                self.in_keys,
+                self.out_keys,
+                module_reads_in_keys=getattr(module, "in_keys", None) is not None,
+            )
         self._has_training = hasattr(module, "training")
         self._static = _static.StaticArgs(name, module, static) if static != () else None
         make_backend = None

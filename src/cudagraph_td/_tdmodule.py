@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
-from tensordict import TensorDict, TensorDictBase, unravel_key
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, unravel_key
 from tensordict.base import is_tensor_collection
 from tensordict.nn import dispatch
 
@@ -104,10 +104,22 @@ class TensorDictLayer:
     ``module(**tensors)``.
     """
 
-    def __init__(self, name: str, in_keys: Sequence[Any], out_keys: Sequence[Any]):
+    def __init__(
+        self,
+        name: str,
+        in_keys: Sequence[Any],
+        out_keys: Sequence[Any],
+        *,
+        module_reads_in_keys: bool = True,
+    ):
         self.name = name
         self.in_keys = [unravel_key(key) for key in in_keys]
         self.out_keys = [unravel_key(key) for key in out_keys]
+        # A module with in_keys of its own (a TensorDictModule) reads every one of them: a
+        # call without one fails before the warm-up, with the error the module would raise.
+        # A function given in_keys reads what it reads, as in eager mode (and tensordict's
+        # class): an in_key that its TensorDicts never hold is no error.
+        self._checks_in_keys = module_reads_in_keys
         # tensordict's own dispatch turns keyword tensors into a TensorDict and the result
         # into the out_keys' values, exactly as a TensorDictModule's forward does. Without
         # in_keys there is nothing to dispatch: the function takes a TensorDict.
@@ -133,7 +145,9 @@ class TensorDictLayer:
             raise _errors.not_a_tensordict(self.name, self.in_keys, tensordict)
         inputs = tensordict
         if self.in_keys:
-            if runner.captured is None:  # after the capture, the full check says the same
+            # After the capture, the full check refuses a call that lacks an entry the
+            # graph reads.
+            if runner.captured is None and self._checks_in_keys:
                 keys = tensordict.keys(include_nested=True, leaves_only=False)
                 missing = [key for key in self.in_keys if key not in keys]
                 if missing:
@@ -141,6 +155,7 @@ class TensorDictLayer:
             inputs = _batched_as_out(tensordict.select(*self.in_keys, strict=False), tensordict_out)
             if runner.captured is not None:
                 inputs = _batched_as_captured(inputs, runner.captured, keywords)
+                inputs = _laid_out_as_captured(inputs, runner.captured)
         elif tensordict_out is not None:
             # A function that writes into its input writes into a copy, whose entries then
             # go to `tensordict_out`: the caller's TensorDict is left as it was.
@@ -217,6 +232,26 @@ def _batched_as_captured(inputs: Any, captured: Captured, keywords: bool) -> Any
     if keywords or batch_size == ():
         with contextlib.suppress(RuntimeError):  # entries of other shapes: the check says
             inputs.batch_size = batch_size
+    return inputs
+
+
+def _laid_out_as_captured(inputs: Any, captured: Captured) -> Any:
+    """The ``in_keys`` entries of a call in the layout of the graph's TensorDict: a graph
+    captured on a lazy stack replays a dense TensorDict's entries (unbound into one per
+    stacked TensorDict: views, no copy), and a graph captured on a dense TensorDict a lazy
+    stack's (stacked: a copy). The module reads the same entries either way, as it does
+    eagerly. Other layouts, and entries that do not fit, are left to the full check."""
+    static = captured.signature.static_args
+    layout = static[0] if static and is_tensor_collection(static[0]) else None
+    if layout is None or type(inputs) is type(layout):
+        return inputs
+    with contextlib.suppress(RuntimeError, ValueError):  # the full check says what differs
+        if type(layout) is LazyStackedTensorDict and type(inputs) is TensorDict:
+            dim = layout.stack_dim
+            if inputs.batch_size == layout.batch_size:
+                return LazyStackedTensorDict(*inputs.unbind(dim), stack_dim=dim)
+        elif type(layout) is TensorDict and type(inputs) is LazyStackedTensorDict:
+            return inputs.to_tensordict()
     return inputs
 
 

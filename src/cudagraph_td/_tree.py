@@ -252,7 +252,9 @@ def leaves_with_paths(tree: Any, root: str | None = None) -> list[tuple[str, Any
     ``(args, kwargs)``).
     """
     accessors, leaves, _ = optree.tree_flatten_with_accessor(tree, namespace=NAMESPACE)
-    if _register_new_collections(leaves):
+    # Until no new type is met, as in `flatten`: a lazy stack, once registered, shows its
+    # TensorDicts, whose type may be new too.
+    while _register_new_collections(leaves):
         accessors, leaves, _ = optree.tree_flatten_with_accessor(tree, namespace=NAMESPACE)
     return [(format_path(a, root), leaf) for a, leaf in zip(accessors, leaves, strict=True)]
 
