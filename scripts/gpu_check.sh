@@ -14,6 +14,7 @@
 set -uo pipefail
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
+report=$(cd "$out" && pwd)/corpus.jsonl  # absolute: the torchrl stage runs elsewhere too
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
@@ -28,7 +29,12 @@ status=0
   python3 -c 'import torch, tensordict, optree; print("torch", torch.__version__, "tensordict", tensordict.__version__, "optree", optree.__version__)'
 } 2>&1 | tee "$out/env.log"
 if [ "${TESTS:-1}" = 1 ]; then
-  CATALOG_EXAMPLES=${CATALOG_EXAMPLES:-200} python3 -m pytest -v -p no:cacheprovider tests src/cudagraph_td "$@" 2>&1 | tee "$out/gpu-tests.log" || status=1
+  # The corpus (tests/corpus) runs with the rest; each row's outcome per wrapper goes to
+  # corpus.jsonl, and scripts/corpus_table.py makes the docs' table of it.
+  rm -f "$report"
+  CORPUS_REPORT="$report" CATALOG_EXAMPLES=${CATALOG_EXAMPLES:-200} \
+    python3 -m pytest -v -p no:cacheprovider tests src/cudagraph_td "$@" 2>&1 \
+    | tee "$out/gpu-tests.log" || status=1
   # Each test body's outcome on the emulation beside CUDA's (the hazard files in the table).
   python3 scripts/test_pairs.py "$out/gpu-tests.log" tests/test_capture.py tests/test_recording.py \
     > "$out/test-pairs.log"
@@ -42,14 +48,18 @@ if [ "${TORCHRL:-1}" = 1 ] && compgen -G ".whl-rl/torchrl-*.whl" > /dev/null; th
   # torchrl 0.14.1 pins tensordict<0.15: its own site directory, not the one above.
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site-rl .whl-rl/*.whl || exit 1
-  PYTHONPATH="$PWD/src:$PWD:/tmp/site-rl" python3 -m pytest -q -p no:cacheprovider \
-    tests/test_torchrl.py tests/test_tdmodule.py tests/test_compat.py tests/test_module.py \
+  CORPUS_REPORT="$report" PYTHONPATH="$PWD/src:$PWD:/tmp/site-rl" \
+    python3 -m pytest -q -p no:cacheprovider tests/test_torchrl.py tests/test_tdmodule.py \
+    tests/test_compat.py tests/test_module.py tests/corpus/test_torchrl_sota.py \
     2>&1 | tee "$out/gpu-torchrl.log" || status=1
   for example in examples/torchrl*.py; do
     echo "== $example" | tee -a "$out/examples.log"
     PYTHONPATH="$PWD/src:/tmp/site-rl" python3 "$example" ${RL_EXAMPLE_ARGS:-} 2>&1 \
       | tee -a "$out/examples.log" || status=1
   done
+fi
+if [ -f "$out/corpus.jsonl" ]; then
+  python3 scripts/corpus_table.py "$out/corpus.jsonl" > "$out/corpus-table.md" || status=1
 fi
 if [ "${SOAK:-1}" = 1 ]; then
   # This library's graphs beside torch's, torch.compile's and tensordict's, in one process,
