@@ -500,3 +500,26 @@ def test_a_call_without_input_raises_the_exported_key_error(backend: Backend) ->
     policy = backend.wrap(TensorDictModule(net, in_keys=["obs"], out_keys=["act"]), warmup=2)
     with pytest.raises(cudagraph_td.InputKeyError, match=re.escape("lacks the in_keys ['obs']")):
         policy()  # a KeyError, as tensordict's module raises
+
+
+@pytest.mark.parametrize("first", ["tensordict", "positional"])
+def test_positional_tensors_and_a_tensordict_replay_one_graph(backend: Backend, first: str) -> None:
+    # policy(obs) with a plain tensor, as a TensorDictModule takes it: its in_keys' values.
+    net = nn.Linear(4, 2).to(backend.device)
+    eager = TensorDictModule(net, in_keys=["obs"], out_keys=["act"])
+    policy = backend.wrap(TensorDictModule(net, in_keys=["obs"], out_keys=["act"]), warmup=2)
+    with torch.no_grad():
+        for _ in range(3):
+            x = backend.randn(8, 4)
+            if first == "tensordict":
+                out = policy(TensorDict(obs=x, batch_size=[8]))["act"]
+            else:
+                out = policy(x)
+            torch.testing.assert_close(out, net(x))
+        for _ in range(2):
+            x = backend.randn(8, 4)
+            torch.testing.assert_close(policy(x), eager(x))
+            torch.testing.assert_close(policy(obs=x), eager(obs=x))
+            td = TensorDict(obs=x, batch_size=[8])
+            torch.testing.assert_close(policy(td)["act"], net(x))
+    assert len(policy.graphs()) == 1

@@ -135,7 +135,9 @@ class TensorDictLayer:
         """Call the module's graph, whose stage ``runner`` runs, as the module is called."""
         # The runner goes through dispatch as a keyword that no in_key can be named, with
         # whether the call is one of keyword tensors (dispatch makes their TensorDict).
-        keywords = not args and "tensordict" not in kwargs
+        # Positional tensors are in_keys values too (dispatch makes their TensorDict, of
+        # batch size []), as keyword tensors are: the same graph as a TensorDict call's.
+        keywords = "tensordict" not in kwargs and not any(map(is_tensor_collection, args))
         return self._dispatched(*args, **kwargs, **{_RUNNER: (runner, keywords)})
 
     def _call(self, tensordict: Any, *args: Any, **kwargs: Any) -> Any:
