@@ -337,7 +337,9 @@ class Capture:
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
                 graph, static_out = self.backend.capture(self._run_forward, like=self.example)
         except Exception as err:
-            raise _errors.capture_failure(self.name, "capture the forward graph", err) from err
+            raise _errors.capture_failure(
+                self.name, "capture the forward graph", err, cuda=self.backend.device.type == "cuda"
+            ) from err
         # On CUDA the recorded outputs carry the autograd graph; the emulation's are buffers.
         self._discover_params(static_out, self.signature.static_inputs)
         if self.requires_grad is None:  # no warm-up: the recorded outputs tell
@@ -363,7 +365,12 @@ class Capture:
                 lambda: self._run_backward(grad_outputs), like=self.example_grads
             )
         except Exception as err:
-            raise _errors.capture_failure(self.name, "capture the backward graph", err) from err
+            raise _errors.capture_failure(
+                self.name,
+                "capture the backward graph",
+                err,
+                cuda=self.backend.device.type == "cuda",
+            ) from err
         # Drop the recorded autograd graph: the graphs replay without it, and its gradient
         # accumulators, tied to the capture stream, would make autograd synchronise (and
         # warn) at every backward on the caller's stream.

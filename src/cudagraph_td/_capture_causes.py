@@ -20,17 +20,11 @@ CAPTURE_CAUSES = (
             "operation not permitted on an event last recorded in a capturing stream",
             "cudaErrorCapturedEvent",
         ),
-        "the function synchronises the host with the GPU, which a graph cannot capture: "
-        "`.item()`, `.tolist()`, `.cpu()`, `print()` of a CUDA tensor, `bool()` or an `if` on a "
-        "CUDA tensor, `torch.cuda.synchronize()`, a stream's or an event's `synchronize()` or "
-        "`query()`, boolean-mask indexing or `nonzero()`, or "
-        "a copy between CUDA and pageable CPU memory (`torch.tensor([...], device='cuda')`, "
-        "`.to('cpu')`, `torch.save` of a CUDA tensor, a Python number assigned to one element "
-        "or at tensor indices: "
-        "`x[0] = 0.0` on a 1-D `x`, `x[idx] = 0.0`; `x[0].fill_(0.0)` and `x.index_fill_(0, "
-        "idx, 0.0)` stay on the GPU), a `torch.distributions` object built with "
-        "`validate_args=True`. "
-        "Move such code out of the function, or use tensor ops (`torch.where`) instead.",
+        "the function synchronises the host with the GPU there (a value read on the host: "
+        "`.item()`, `bool()` or an `if` on a tensor, `print()`; `nonzero()`; a copy to CPU "
+        "memory), which a graph cannot capture. Move it out of the function, or compute on "
+        'the device (`torch.where`); the docs\' Sharp edges page, "Host synchronisation", '
+        "lists every case.",
     ),
     (
         ("cusolver error", "CUSOLVER_STATUS"),

@@ -10,6 +10,8 @@ them by case.
 
 from __future__ import annotations
 
+import linecache
+import os
 from typing import Any
 
 from ._capture_causes import CAPTURE_CAUSES
@@ -277,8 +279,10 @@ def missing_in_keys(name: str, missing: list[Any]) -> InputKeyError:
     )
 
 
-def capture_failure(name: str, stage: str, err: BaseException) -> RuntimeError:
-    """The error raised when the function fails while a graph is warmed up or captured."""
+def capture_failure(name: str, stage: str, err: BaseException, cuda: bool = True) -> RuntimeError:
+    """The error raised when the function fails while a graph is warmed up or captured: the
+    cause found first, where in the user's code, then what to do; ``cuda``: a CUDA capture
+    (not the emulation), which may leave the context capturing."""
     text = str(err)
     cause = next(
         (hint for phrases, hint in CAPTURE_CAUSES if any(p in text for p in phrases)),
@@ -295,10 +299,45 @@ def capture_failure(name: str, stage: str, err: BaseException) -> RuntimeError:
         else "The wrapper is still usable: call it again to retry, or call `reset()` to start "
         "the warm-up again."
     )
+    where = _user_line(err)
+    context = " The CUDA context was left out of capture mode." if cuda else ""
     return RuntimeError(
-        f"{name} could not {stage}: {cause} {retry} The CUDA context was left out of capture "
-        f"mode. Original error: {type(err).__name__}: {_short(text, 300)}"
+        f"{name} could not {stage}{where}: {cause} {retry}{context} Original error: "
+        f"{type(err).__name__}: {_short(text, 300)}"
     )
+
+
+# The frames of these packages are not the user's code (nor Python's own modules).
+_NOT_USER_CODE = (
+    f"{os.sep}torch{os.sep}",
+    f"{os.sep}tensordict{os.sep}",
+    f"{os.sep}cudagraph_td{os.sep}",
+    f"{os.sep}optree{os.sep}",
+    os.path.dirname(os.__file__) + os.sep,
+)
+
+
+def _user_line(err: BaseException) -> str:
+    """`` at file:line (`source`)`` for the innermost frame of the user's code where ``err``
+    was raised, or "" if none is found."""
+    found = None
+    tb = err.__traceback__
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if not any(part in filename for part in _NOT_USER_CODE) and not filename.startswith("<"):
+            found = (filename, tb.tb_lineno)
+        tb = tb.tb_next
+    if found is None:
+        return ""
+    source = linecache.getline(*found).strip()
+    shown = (
+        os.path.relpath(found[0]) if not os.path.relpath(found[0]).startswith("..") else found[0]
+    )
+    return f" at {shown}:{found[1]}" + (f" (`{_short_source(source)}`)" if source else "")
+
+
+def _short_source(source: str, limit: int = 60) -> str:
+    return source if len(source) <= limit else source[: limit - 3] + "..."
 
 
 def cpu_output(name: str, path: str, device: Any) -> RuntimeError:

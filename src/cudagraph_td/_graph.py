@@ -106,7 +106,9 @@ def capture(
     try:
         result = backend.warmup(lambda: fn(*args, **kwargs))
     except Exception as err:
-        raise _errors.capture_failure(name, "run the capturing call", err) from err
+        raise _errors.capture_failure(
+            name, "run the capturing call", err, cuda=backend.device.type == "cuda"
+        ) from err
     if observed.after_eager_run() and grad and (path := _path_requiring_grad(result)):
         raise _errors_state.step_output_requires_grad(name, path)
     # The function wrote into these inputs (their version counters moved): each replay
@@ -135,7 +137,9 @@ def capture(
     try:
         graph, static_out = observed.record(lambda: backend.capture(run_static, like=result))
     except Exception as err:
-        raise _errors.capture_failure(name, "capture the graph", err) from err
+        raise _errors.capture_failure(
+            name, "capture the graph", err, cuda=backend.device.type == "cuda"
+        ) from err
     # Read from the graph's own copies, which count versions for inference tensors too (made
     # under `torch.inference_mode()`); an emulated DDP step, whose capture runs nothing,
     # keeps the eager run's.
@@ -254,7 +258,9 @@ class GraphRunner:
             try:
                 result = backend.warmup(lambda: self.fn(*args, **kwargs))
             except Exception as err:
-                raise _errors.capture_failure(self.name, stage, err) from err
+                raise _errors.capture_failure(
+                    self.name, stage, err, cuda=backend.device.type == "cuda"
+                ) from err
             self.counter += 1
             return result
         self.captured, result = capture(self.name, self.fn, args, kwargs, backend)
