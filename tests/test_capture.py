@@ -118,6 +118,33 @@ def test_random_operations_draw_new_numbers_at_each_replay(backend: Backend) -> 
         assert draws[i].std() > 0.5  # standard normal draws, not a constant
 
 
+def _noise(backend: Backend) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: x + torch.randn_like(x)
+
+
+def _dropout(backend: Backend) -> Callable[[torch.Tensor], torch.Tensor]:
+    # Captured for autograd (a parameter, grad mode): forward and backward graphs.
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Dropout(0.5)).to(backend.device)
+
+
+@pytest.mark.parametrize("make", [_noise, _dropout], ids=["randn_like", "dropout-autograd"])
+def test_a_graphed_run_draws_the_numbers_of_an_eager_run_seeded_alike(
+    backend: Backend, make: Callable[[Backend], Callable[[torch.Tensor], torch.Tensor]]
+) -> None:
+    # A capture draws no numbers (each replay takes the graph's offset into the generator):
+    # seeded alike, the graphed calls and the eager draws after them are an eager run's, as
+    # LeanRL's scripts, seeded once, assume. The emulated capture drew a call's numbers.
+    fn = make(backend)
+    x = backend.randn(64)
+
+    def run(f: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        draws = [f(x) for _ in range(5)]
+        return [d.detach() for d in draws] + [torch.randn(3, device=backend.device)]
+
+    torch.testing.assert_close(run(backend.wrap(fn, warmup=2)), run(fn))
+
+
 def test_cpu_values_made_in_the_function_are_frozen_at_the_capture(backend: Backend) -> None:
     # CPU tensors are numbers to a CUDA kernel: their values at the capture are recorded,
     # not the CPU work that made them (the emulation leaves it out too).

@@ -132,6 +132,22 @@ def test_output_is_fresh_memory_not_the_graph_buffer(backend: Backend) -> None:
     torch.testing.assert_close(graphed(x), x * 2)
 
 
+def test_an_output_that_views_outer_state_is_its_value_at_the_call(backend: Backend) -> None:
+    # LeanRL's SAC returns `alpha.detach()`, then updates `alpha` in place: eager's result is
+    # `alpha`'s memory and follows it; a replay's is fresh memory, the value at the call, as
+    # the contract has it for every output (tensordict's class copies too).
+    alpha = torch.ones(1, device=backend.device)
+    graphed = backend.wrap(lambda x: (x * alpha, alpha.detach()), warmup=2)
+    for _ in range(2):
+        graphed(backend.randn(1))
+    for _ in range(3):
+        _, got = graphed(backend.randn(1))
+        at_call = alpha.clone()
+        alpha.mul_(2)
+        torch.testing.assert_close(got, at_call)
+        assert got.data_ptr() != alpha.data_ptr()
+
+
 def test_call_counting_follows_tensordict(backend: Backend) -> None:
     fn = counting(lambda x: x + 1)
     graphed = backend.wrap(fn, warmup=3)

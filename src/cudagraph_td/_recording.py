@@ -103,7 +103,10 @@ class Recorder(TorchDispatchMode):
             key = storage.data_ptr()
             if key not in self._made and key not in self._saved:
                 self._saved[key] = (storage, storage.clone())
-        out = func(*args, **kwargs)
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            out = _drawn_at_replays(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         inputs = {t.untyped_storage().data_ptr() for t in tensors}
         for t in tensors_in(out):  # memory the operation allocated (not a view of its inputs)
             key = t.untyped_storage().data_ptr()
@@ -217,6 +220,22 @@ def record(fn: Callable[[], Any]) -> tuple[RecordedGraph, Any]:
     finally:
         recorder.undo()
     return RecordedGraph(recorder.ops), out
+
+
+def _drawn_at_replays(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run a random operation of the graph without advancing the default generator.
+
+    A CUDA capture draws no numbers: torch gives the graph an offset into the generator,
+    taken and advanced at each replay, so that the first replay draws what an eager call
+    would draw next. Left advanced, it would make every later draw, eager or replayed,
+    differ from a run without graphs seeded alike. (The function's CPU work draws at the
+    capture, as on CUDA: it runs outside this path.)
+    """
+    state = torch.default_generator.get_state()
+    try:
+        return func(*args, **kwargs)
+    finally:
+        torch.default_generator.set_state(state)
 
 
 def _address(tensor: torch.Tensor) -> int:
