@@ -11,6 +11,8 @@ from torch import nn
 
 from cudagraph_td._training import find_state
 
+from .conftest import Backend
+
 NET = nn.Linear(2, 2)
 OPT = torch.optim.SGD(NET.parameters(), lr=0.1)
 
@@ -76,3 +78,38 @@ def test_find_state_skips_data_and_stops() -> None:
         return x + big["tensors"][0]
 
     assert find_state(fn) == ({}, {})
+
+
+def test_two_steps_on_the_same_parameters_that_drop_their_gradients_alternate(
+    backend: Backend,
+) -> None:
+    # CrossQ's two updates (torchrl): each sets the gradients to None, then computes its own;
+    # eager mode binds new gradient tensors each time, whichever step ran before.
+    def agent() -> tuple[Any, Any, nn.Module]:
+        torch.manual_seed(0)
+        net = nn.Linear(3, 1).to(backend.device)
+        lr = torch.tensor(0.1, device=backend.device)
+        opt = torch.optim.Adam(net.parameters(), lr=lr, capturable=True)
+
+        def step(loss_of: Any) -> Any:
+            def run(x: torch.Tensor) -> torch.Tensor:
+                opt.zero_grad(set_to_none=True)
+                loss = loss_of(net(x))
+                loss.backward()
+                opt.step()
+                return loss.detach()
+
+            return run
+
+        return step(lambda y: y.pow(2).mean()), step(lambda y: y.abs().mean()), net
+
+    square, absolute, net = agent()
+    twin_square, twin_absolute, twin = agent()
+    graphed = [backend.wrap(square, warmup=2), backend.wrap(absolute, warmup=2)]
+    for i in range(12):
+        x = backend.randn(8, 3)
+        which = i % 2 if i < 6 else int(i % 3 == 0)
+        torch.testing.assert_close(graphed[which](x), (twin_square, twin_absolute)[which](x))
+        torch.testing.assert_close(net.weight.grad, twin.weight.grad)
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q)

@@ -155,6 +155,7 @@ class Observation:
         self.params = [(name, p) for name, p in params.values() if p.requires_grad]
         self._before = [_state(p) for _, p in self.params]
         self.touched: list[tuple[str, torch.Tensor]] = []
+        self.rebinds: list[bool] = []
 
     def after_eager_run(self) -> bool:
         """Whether the call moved a parameter or a gradient: a training step."""
@@ -176,6 +177,14 @@ class Observation:
         """
         eager = [p.grad for _, p in self.touched]
         out = capture()
+        # A gradient tensor that the capture replaced by one of its own: the step drops the
+        # incoming gradient before it reads it (`zero_grad(set_to_none=True)` inside), so a
+        # replay may re-point `.grad` to its own tensor whatever `.grad` is then, as eager
+        # mode binds a new one (another step on the same parameters may have rebound it).
+        self.rebinds = [
+            p.grad is not before and before is not None
+            for (_, p), before in zip(self.touched, eager, strict=True)
+        ]
         with torch.no_grad():
             for (_, p), before in zip(self.touched, eager, strict=True):
                 if p.grad is not before and p.grad is not None and before is not None:
@@ -194,7 +203,7 @@ class Observation:
             for key, value in before.items()
             if group.get(key) is not value
         }
-        return Watch(name, self.touched, self._stepped(), written)
+        return Watch(name, self.touched, self._stepped(), written, self.rebinds)
 
     def _stepped(self) -> dict[str, torch.optim.Optimizer]:
         touched = {id(p) for _, p in self.touched}
@@ -255,11 +264,14 @@ class Watch:
         params: list[tuple[str, torch.Tensor]],
         optimizers: dict[str, torch.optim.Optimizer],
         written: set[tuple[int, str]] = frozenset(),  # type: ignore[assignment]
+        rebinds: list[bool] | None = None,
     ):
         self.name = name
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.grads = [p.grad for p in self.params]
+        # The gradients the step drops before reading (see `Observation.record`).
+        self.rebinds = rebinds if rebinds is not None else [False] * len(self.params)
         # (where, group, keys, values): the hyperparameters that each step reads.
         self.groups: list[tuple[str, dict[str, Any], tuple[str, ...], tuple[Any, ...]]] = []
         for path, opt in optimizers.items():
@@ -305,9 +317,14 @@ class Watch:
                     p.grad = grad
 
     def _raise_for_grads(self) -> None:
-        for name, p, grad in zip(self.names, self.params, self.grads, strict=True):
+        """Re-point the gradients that the step drops before reading to its own tensors;
+        raise for another that was replaced."""
+        pairs = zip(self.names, self.params, self.grads, self.rebinds, strict=True)
+        for name, p, grad, rebinds in pairs:
             if p.grad is not grad:
-                raise _errors_state.grad_replaced(self.name, name, grad, p.grad)
+                if not rebinds:
+                    raise _errors_state.grad_replaced(self.name, name, grad, p.grad)
+                p.grad = grad
 
     def _check_group(
         self,
