@@ -23,7 +23,7 @@ in this suite).
 
 Where a script cannot be captured as written (the ``as_written`` tests), the test asserts the
 library's error, and the variants named after a change run the script with it
-(docs/corpus-torchrl.md says which change makes each script capturable):
+(docs/corpus.md, "torchrl's sota-implementations", says which change makes each script capturable):
 
 - optimizers built without ``capturable=True`` (every script but A2C, which sets
   ``capturable=device.type == "cuda"``);
