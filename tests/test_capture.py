@@ -254,6 +254,10 @@ HOST_SYNCS: dict[str, Callable[[torch.Tensor], Any]] = {
     "one-hot-classes-read-from-the-values": lambda y: F.one_hot((y > 0).long()),
     # A decomposition whose CUDA solver reads on the host (torch 2.11, seen on the H100).
     "linalg-eigh": lambda y: torch.linalg.eigh(torch.outer(y, y) + torch.eye(3, device=y.device)),
+    # torch.normal's check that a tensor of standard deviations is >= 0 (torch 2.11, seen on
+    # the H100 through torch.distributions.Normal.sample in torchrl's CrossQ).
+    "normal-with-a-tensor-std": lambda y: torch.normal(y, y.abs() + 1),
+    "distribution-sample": lambda y: torch.distributions.Normal(y, y.abs() + 1).sample(),
     # torch.save copies a CUDA storage to pageable host memory before it writes it.
     "torch-save": lambda y: torch.save(y, io.BytesIO()),
     # Synchronisations and queries of the capturing stream, and of an event recorded on it

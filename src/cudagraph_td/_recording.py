@@ -309,9 +309,25 @@ def _host_read(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], host: A
             "a host synchronisation of `torch.linalg.eigh` (or `eigvalsh`), whose CUDA solver"
             " reads on the host (torch 2.11)"
         )
+    if func in _NORMAL_WITH_TENSOR_STD:
+        return (
+            "a host read of the standard deviations given to `torch.normal` as a tensor, which"
+            " CUDA checks to be >= 0 with `.item()` (`torch.distributions.Normal.sample` calls"
+            " it); draw `loc + scale * torch.randn_like(loc)` instead, as `rsample` does"
+        )
     if func is _aten.histc.default and _range_not_given(args, kwargs):
         return "a host read of the range of `torch.histc`; give it `min` and `max`"
     return None
+
+
+# `torch.normal` with a tensor of standard deviations: CUDA checks them on the host (torch
+# 2.11, `normal expects all elements of std >= 0.0`, seen on the H100 in torchrl's CrossQ).
+_NORMAL_WITH_TENSOR_STD = (
+    _aten.normal.Tensor_Tensor,
+    _aten.normal.float_Tensor,
+    _aten.normal.Tensor_Tensor_out,
+    _aten.normal.float_Tensor_out,
+)
 
 
 def _range_not_given(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

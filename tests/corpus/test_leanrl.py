@@ -59,8 +59,16 @@ COMMIT = "8dbb6336b7f6cc65cdbbeb2e86637c38867e2677"
 # order that changes from run to run, eager against eager too, at float32's rounding
 # (~1e-7 relative per operation), which a few Adam steps keep at that scale. A missed or
 # stale update moves a weight by about the learning rate (2.5e-4 to 1e-3 per Adam step),
-# far above 1e-5 + 1e-4 |w| for the weights here (|w| < 1).
+# far above 1e-5 + 1e-4 |w| for the weights here (|w| < 1). On CUDA, values derived from
+# several such networks (Atari PPO's advantages: differences of values, near zero) move by
+# up to ~1e-4 absolute (7e-5 seen on the H100, eager against graph): an absolute 1e-4
+# there, still under one Adam step.
 RTOL, ATOL = 1e-4, 1e-5
+ATOL_CUDA = 1e-4
+
+
+def _atol(backend: str) -> float:
+    return ATOL_CUDA if backend == "cuda" else ATOL
 
 
 class Wrap:
@@ -99,14 +107,16 @@ def _whole(result: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     return result, None
 
 
-def compare(got: dict[str, Any], eager: dict[str, Any], split: Split, why: str) -> tuple[str, str]:
+def compare(
+    got: dict[str, Any], eager: dict[str, Any], split: Split, why: str, atol: float = ATOL
+) -> tuple[str, str]:
     """The outcome of a run against the eager one, for the corpus table: ``split`` sets
     apart what differs for a known reason, ``why``, given as the detail."""
     kept, aside = split(got)
     eager_kept, eager_aside = split(eager)
-    if not same(kept, eager_kept, RTOL, ATOL):
+    if not same(kept, eager_kept, RTOL, atol):
         return "differs from eager", ""
-    if not same(aside, eager_aside, RTOL, ATOL):
+    if not same(aside, eager_aside, RTOL, atol):
         return "differs from eager", why
     return "matches eager", ""
 
@@ -128,8 +138,9 @@ def check(
     except Exception as err:
         record("cudagraph_td", "raises", _first_line(err), backend=backend.name)
         raise
-    record("cudagraph_td", *compare(got, eager, split, why), backend=backend.name)
-    torch.testing.assert_close(split(got)[0], split(eager)[0], rtol=RTOL, atol=ATOL)
+    atol = _atol(backend.name)
+    record("cudagraph_td", *compare(got, eager, split, why, atol), backend=backend.name)
+    torch.testing.assert_close(split(got)[0], split(eager)[0], rtol=RTOL, atol=atol)
     for wrapper in ours.made:
         assert any(info.captured and info.replays for info in wrapper.graphs()), wrapper
     if backend.name != "cuda":
@@ -144,7 +155,7 @@ def check(
         record("tensordict", "raises", _first_line(err), backend=backend.name)
         _end_failed_captures(theirs.made, backend.device)
         return
-    record("tensordict", *compare(got, eager, split, why), backend=backend.name)
+    record("tensordict", *compare(got, eager, split, why, atol), backend=backend.name)
 
 
 def _end_failed_captures(wrappers: list[Any], device: torch.device) -> None:

@@ -1267,10 +1267,8 @@ def _crossq(device: torch.device, wrap: Wrap, *, variant: str) -> Agent:
     ],
 )
 def test_crossq(backend: Backend, record: Recorder, variant: str) -> None:
+    # Every variant samples the policy's TanhNormal with `.sample()`, whose `torch.normal`
+    # checks its standard deviations on the host (seen on the H100; refused by the emulation
+    # since): the first error of each, before the optimizer's and the NaN's.
     build = functools.partial(_crossq, variant=variant)
-    if variant == "as_written":
-        _check_raises(backend, record, build, RuntimeError, NOT_CAPTURABLE)
-    elif variant == "capturable":
-        _check_raises(backend, record, build, RuntimeError, HOST_SYNC)
-    else:
-        _check_matches_eager(backend, record, build)
+    _check_raises(backend, record, build, RuntimeError, HOST_SYNC)
