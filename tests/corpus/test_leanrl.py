@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import pytest
 import tensordict
 import torch
 import torch.nn.functional as F
@@ -538,6 +539,19 @@ def _atari_script_settings() -> Iterator[None]:
         torch.set_float32_matmul_precision(precision)
 
 
+@pytest.fixture
+def deterministic_convolutions() -> Any:
+    """cuDNN's deterministic convolution algorithms, for both runs of a row: its default
+    backward of a convolution adds with atomics in an order that changes between runs, and
+    Adam turns such differences of near-zero gradients into steps of about its learning rate
+    (eager against eager on the H100: advantages 2e-4 to 9e-4 apart after two iterations)."""
+    before = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    yield
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before
+
+
+@pytest.mark.usefixtures("deterministic_convolutions")
 def test_ppo_atari_envpool(backend: Backend, record: Recorder) -> None:
     # leanrl/ppo_atari_envpool_torchcompile.py at LeanRL 8dbb633: the same `policy`, `gae`
     # and `update` wrappers as ppo_continuous_action (defaults, warmup=2), with its CNN
