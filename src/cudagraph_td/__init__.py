@@ -6,6 +6,7 @@ from ._errors import InputMismatchError as InputMismatchError
 from ._errors_shapes import GraphLimitWarning as GraphLimitWarning
 from ._graphed_callables import make_graphed_callables as make_graphed_callables
 from ._module import CudaGraphModule as CudaGraphModule
+from ._shapes import GraphInfo as GraphInfo
 from ._sharing import capture_stream as capture_stream
 from ._state import RecaptureWarning as RecaptureWarning
 from ._verify import VerificationError as VerificationError
@@ -13,6 +14,7 @@ from ._version import __version__ as __version__
 
 __all__ = [
     "CudaGraphModule",
+    "GraphInfo",
     "GraphLimitWarning",
     "InputKeyError",
     "InputMismatchError",

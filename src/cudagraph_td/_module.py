@@ -28,9 +28,8 @@ from ._buckets import BucketGraphs
 from ._compat import interaction_type, raw_stream
 from ._modes import Mode, any_autocast, autocast_state
 from ._replay import MISS
-from ._shapes import not_captured
+from ._shapes import GraphInfo, not_captured
 
-BackendName = Literal["auto", "cuda", "emulate"]
 # A mode, a device (None off CUDA) and the values of the static arguments (see `_static`).
 GraphsKey = tuple[Mode, torch.device | None, tuple[Any, ...]]
 Graphs = _shapes.Graphs
@@ -165,7 +164,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         *,
         pool: Any = None,
         capture_error_mode: str = "global",
-        backend: BackendName = "auto",
+        backend: Literal["auto", "cuda", "emulate"] = "auto",
         verify: int = 0,
         shapes: Literal["static", "exact", "buckets"] = "static",
         buckets: list[int] | None = None,
@@ -369,7 +368,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         graphs = self._current_graphs()
         return graphs is not None and graphs.captured_any()
 
-    def graphs(self) -> list[_shapes.GraphInfo]:
+    def graphs(self) -> list[GraphInfo]:
         """The wrapper's graphs: each one's mode, key (None for ``shapes="static"``, the
         structure and input shapes for ``"exact"``, the batch dims for ``"buckets"``), whether
         it is captured, its replays, and the fraction of the rows replayed that were padding."""

@@ -80,13 +80,20 @@ def shown_options(options: ShapeOptions) -> dict[str, Any]:
 
 
 class GraphInfo(NamedTuple):
-    """One graph of a wrapper, as ``CudaGraphModule.graphs`` lists it."""
+    """One graph of a wrapper, as ``CudaGraphModule.graphs()`` lists it: the mode it
+    serves (grad mode, training mode, interaction type, autocast, the values of static
+    arguments), its key (None for ``shapes="static"``, the structure and input shapes for
+    ``"exact"``, the batch dims for ``"buckets"``), whether it is captured, the calls it
+    answered by a replay, and the fraction of the rows it replayed that were padding."""
 
     mode: str  # the mode it serves: grad mode, training mode, interaction type, autocast
     key: Any  # None ("static"), the input tensors' shapes ("exact"), the batch dims ("buckets")
     captured: bool  # False while it warms up
     replays: int  # the calls it answered by a replay
     padded: float  # the fraction of the rows it replayed that were padding
+
+
+GraphInfo.__module__ = "cudagraph_td"  # where users import it from
 
 
 class Graphs:
