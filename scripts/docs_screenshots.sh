@@ -2,6 +2,7 @@
 # Build the docs and take headless-Chromium screenshots of pages, to look at them as a reader
 # does (the API page's examples as code blocks, its tables, the figures):
 #   bash scripts/docs_screenshots.sh [OUT] [PAGE ...]   # default: docs-shots/, api/ quickstart/
+#   WIDTH=390 HEIGHT=6000 bash scripts/docs_screenshots.sh shots-phone ""   # a phone's width
 # Needs Debian's chromium (`apt-get install chromium`).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
@@ -20,7 +21,7 @@ for page in "${pages[@]}"; do
   name=$(echo "${page%/}" | tr / -)
   chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run \
     --disable-background-networking --disable-component-update --disable-sync \
-    --user-data-dir="$(mktemp -d)" --hide-scrollbars --window-size=1400,9000 \
+    --user-data-dir="$(mktemp -d)" --hide-scrollbars --window-size=${WIDTH:-1400},${HEIGHT:-9000} \
     --screenshot="$out/${name:-index}.png" "http://localhost:8765/$page" 2> /dev/null
 done
 ls -1 "$out"
