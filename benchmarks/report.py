@@ -171,6 +171,7 @@ def chart(data: dict[str, Any], path: pathlib.Path) -> str:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
     except ImportError:
         return (
             f"matplotlib is not installed: no chart. Render it elsewhere with "
@@ -198,6 +199,10 @@ def chart(data: dict[str, Any], path: pathlib.Path) -> str:
             ax.bar(xs, ys, width, label=variant)
         ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="floor")
         ax.set_yscale("log")
+        # Labels at 1, 2 and 5 of each decade (0.5, 1, 2, 5, 10, ...), as plain numbers.
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_ylabel(f"{what} per call / floor")
         ax.legend(fontsize=8, ncols=3)
     axes[1].set_xticks(
