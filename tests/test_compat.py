@@ -257,3 +257,26 @@ def test_capturable_on_cpu_outlives_none_of_its_contexts() -> None:
     second.__exit__(None, None, None)
     assert adam._get_capturable_supported_devices is original
     assert optimizer._get_capturable_supported_devices is original
+
+
+def test_any_autocast_enabled_sees_every_device_type() -> None:
+    assert not _compat.any_autocast_enabled()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _compat.any_autocast_enabled()
+    assert not _compat.any_autocast_enabled()
+
+
+def test_set_grad_enabled_and_inference_mode_state_set_the_thread_modes() -> None:
+    try:
+        _compat.set_grad_enabled(False)
+        assert not torch.is_grad_enabled()
+        _compat.set_grad_enabled(True)
+        assert torch.is_grad_enabled()
+    finally:
+        _compat.set_grad_enabled(True)
+    with _compat.inference_mode_state(True):
+        assert torch.is_inference_mode_enabled()
+        assert torch.ones(1).is_inference()
+    with _compat.inference_mode_state(False):
+        assert not torch.is_inference_mode_enabled()
+    assert not torch.is_inference_mode_enabled()

@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from . import _compat, _errors, _host_calls, _recording, _sharing, _tree
-from ._compat import distributions_validate_args, end_allocate_to_pool
+from ._compat import any_autocast_enabled, distributions_validate_args, end_allocate_to_pool
 
 T = TypeVar("T")
 
@@ -294,7 +294,7 @@ def _no_autocast_cache() -> Iterator[None]:
     Off, the capture records the casts themselves. Off for the warm-ups too, so that a
     ``torch.compile``d function, which guards on it, is not compiled again in the capture.
     """
-    if not torch._C._is_any_autocast_enabled() or not torch.is_autocast_cache_enabled():
+    if not any_autocast_enabled() or not torch.is_autocast_cache_enabled():
         yield
         return
     torch.set_autocast_cache_enabled(False)

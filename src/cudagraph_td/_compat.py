@@ -30,6 +30,16 @@ from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
 
 below_autograd: Callable[[], Any] = torch._C._AutoDispatchBelowAutograd
 
+# Whether autocast is on for any device type (`torch.is_autocast_enabled()` asks of one):
+# read at every call of a wrapper, for the autocast part of its mode.
+any_autocast_enabled: Callable[[], bool] = torch._C._is_any_autocast_enabled
+
+# Grad mode and inference mode set by the emulation's replay for each run of operations
+# recorded under one mode: `torch._C._set_grad_enabled` and the `torch._C._InferenceMode`
+# context, which `torch.set_grad_enabled` and `torch.inference_mode` wrap in Python frames.
+set_grad_enabled: Callable[[bool], None] = torch._C._set_grad_enabled
+inference_mode_state: Callable[[bool], Any] = torch._C._InferenceMode
+
 
 def op_arguments(func: Any) -> Any:
     """The schema arguments of an ATen operation (``OpOverload._schema.arguments``)."""

@@ -12,14 +12,14 @@ from typing import Any
 
 import torch
 
-from ._compat import interaction_type
+from ._compat import any_autocast_enabled, interaction_type
 
 Mode = tuple[Any, bool, Any, Any]
 
 _AUTOCAST_DEVICES = ("cuda", "cpu")
 
 # Read at every call, so bound once.
-any_autocast = torch._C._is_any_autocast_enabled
+any_autocast = any_autocast_enabled
 
 
 def autocast_state() -> Any:

@@ -30,7 +30,13 @@ from typing import Any
 import torch
 
 from ._capturing import capturing
-from ._compat import TorchDispatchMode, below_autograd, op_arguments
+from ._compat import (
+    TorchDispatchMode,
+    below_autograd,
+    inference_mode_state,
+    op_arguments,
+    set_grad_enabled,
+)
 from ._host_calls import COPY, HOST_MEMORY, HOST_READ, MIXED, HostCalls, tensors_in
 
 _aten = torch.ops.aten
@@ -173,15 +179,15 @@ class RecordedGraph:
         try:
             with below_autograd():  # no autograd graph: the capture's tensors are reused
                 for (enabled, inference), ops in self._runs:
-                    with torch._C._InferenceMode(inference):
-                        torch._C._set_grad_enabled(enabled)
+                    with inference_mode_state(inference):
+                        set_grad_enabled(enabled)
                         for func, args, kwargs, out in ops:
                             new = func(*args, **kwargs)
                             for old, fresh in zip(tensors_in(out), tensors_in(new), strict=True):
                                 if old is not fresh and not _same_memory(old, fresh):
                                     old.copy_(fresh)
         finally:
-            torch._C._set_grad_enabled(grad)
+            set_grad_enabled(grad)
 
 
 def _detached(value: Any, memo: dict[int, torch.Tensor]) -> Any:
