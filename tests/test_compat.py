@@ -11,6 +11,7 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
 import torch
 from tensordict import TensorDict, tensorclass
 from tensordict.nn import InteractionType, set_interaction_type
@@ -280,3 +281,33 @@ def test_set_grad_enabled_and_inference_mode_state_set_the_thread_modes() -> Non
     with _compat.inference_mode_state(False):
         assert not torch.is_inference_mode_enabled()
     assert not torch.is_inference_mode_enabled()
+
+
+def test_capturable_on_cpu_lets_only_its_own_thread_step_on_the_cpu() -> None:
+    import threading
+
+    def adam_step() -> None:
+        w = torch.nn.Parameter(torch.ones(2))
+        opt = torch.optim.Adam([w], lr=torch.tensor(0.1), capturable=True)
+        w.grad = torch.ones(2)
+        opt.step()
+
+    inside, entered, done = [], threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with _compat.capturable_on_cpu():
+            adam_step()  # allowed here
+            inside.append(True)
+            entered.set()
+            done.wait(10)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert entered.wait(10)
+        with pytest.raises(AssertionError, match="capturable=True"):
+            adam_step()  # another thread: torch's refusal, while the context is open
+    finally:
+        done.set()
+        thread.join(10)
+    assert inside == [True]

@@ -211,9 +211,11 @@ def capturable_on_cpu() -> Iterator[None]:
         if _capturable_entries[0] == 0:
             _allow_cpu_captures()
         _capturable_entries[0] += 1
+    _capturable_here.depth = getattr(_capturable_here, "depth", 0) + 1
     try:
         yield
     finally:
+        _capturable_here.depth -= 1
         with _CAPTURABLE_LOCK:  # the last one out restores torch's (threads may overlap)
             _capturable_entries[0] -= 1
             if _capturable_entries[0] == 0:
@@ -222,6 +224,8 @@ def capturable_on_cpu() -> Iterator[None]:
 
 _CAPTURABLE_LOCK = threading.Lock()
 _capturable_entries = [0]  # how many `capturable_on_cpu` contexts are open, in any thread
+# How many this thread has open: the patched function answers as torch's on other threads.
+_capturable_here = threading.local()
 _patched: list[tuple[Any, Any]] = []  # (optimizer module, torch's function) while open
 
 
@@ -236,7 +240,8 @@ def _allow_cpu_captures(undo: bool = False) -> None:
     original = optimizer_module._get_capturable_supported_devices
 
     def with_cpu(*args: Any, **kwargs: Any) -> list[str]:
-        return [*original(*args, **kwargs), "cpu"]
+        devices = original(*args, **kwargs)
+        return [*devices, "cpu"] if getattr(_capturable_here, "depth", 0) else devices
 
     for name, module in list(sys.modules.items()):
         if name.startswith("torch.optim") and (
