@@ -338,7 +338,7 @@ class Capture:
                 graph, static_out = self.backend.capture(self._run_forward, like=self.example)
         except Exception as err:
             raise _errors.capture_failure(
-                self.name, "capture the forward graph", err, cuda=self.backend.device.type == "cuda"
+                self.name, "capture the forward graph", err, device=self.backend.device
             ) from err
         # On CUDA the recorded outputs carry the autograd graph; the emulation's are buffers.
         self._discover_params(static_out, self.signature.static_inputs)
@@ -369,7 +369,7 @@ class Capture:
                 self.name,
                 "capture the backward graph",
                 err,
-                cuda=self.backend.device.type == "cuda",
+                device=self.backend.device,
             ) from err
         # Drop the recorded autograd graph: the graphs replay without it, and its gradient
         # accumulators, tied to the capture stream, would make autograd synchronise (and

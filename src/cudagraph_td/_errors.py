@@ -279,10 +279,11 @@ def missing_in_keys(name: str, missing: list[Any]) -> InputKeyError:
     )
 
 
-def capture_failure(name: str, stage: str, err: BaseException, cuda: bool = True) -> RuntimeError:
+def capture_failure(name: str, stage: str, err: BaseException, device: Any = None) -> RuntimeError:
     """The error raised when the function fails while a graph is warmed up or captured: the
-    cause found first, where in the user's code, then what to do; ``cuda``: a CUDA capture
-    (not the emulation), which may leave the context capturing."""
+    cause found first, where in the user's code, then what to do. ``device``: the graph's;
+    a CUDA capture (not the emulation's, on the CPU) may leave the context capturing."""
+    cuda = device is None or device.type == "cuda"
     text = str(err)
     cause = next(
         (hint for phrases, hint in CAPTURE_CAUSES if any(p in text for p in phrases)),

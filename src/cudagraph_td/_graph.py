@@ -107,7 +107,7 @@ def capture(
         result = backend.warmup(lambda: fn(*args, **kwargs))
     except Exception as err:
         raise _errors.capture_failure(
-            name, "run the capturing call", err, cuda=backend.device.type == "cuda"
+            name, "run the capturing call", err, device=backend.device
         ) from err
     if observed.after_eager_run() and grad and (path := _path_requiring_grad(result)):
         raise _errors_state.step_output_requires_grad(name, path)
@@ -138,7 +138,7 @@ def capture(
         graph, static_out = observed.record(lambda: backend.capture(run_static, like=result))
     except Exception as err:
         raise _errors.capture_failure(
-            name, "capture the graph", err, cuda=backend.device.type == "cuda"
+            name, "capture the graph", err, device=backend.device
         ) from err
     # Read from the graph's own copies, which count versions for inference tensors too (made
     # under `torch.inference_mode()`); an emulated DDP step, whose capture runs nothing,
@@ -258,9 +258,7 @@ class GraphRunner:
             try:
                 result = backend.warmup(lambda: self.fn(*args, **kwargs))
             except Exception as err:
-                raise _errors.capture_failure(
-                    self.name, stage, err, cuda=backend.device.type == "cuda"
-                ) from err
+                raise _errors.capture_failure(self.name, stage, err, device=backend.device) from err
             self.counter += 1
             return result
         self.captured, result = capture(self.name, self.fn, args, kwargs, backend)
