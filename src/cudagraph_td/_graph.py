@@ -220,8 +220,6 @@ class GraphRunner:
         self.backend: Backend | None = None
         self.counter = 0
         self.captured: _replay.Captured | None = None
-        # The owner's replay path for this graph, built once it is captured.
-        self.replay: _replay.ReplayFunction | None = None
 
     def skip_warmup(self) -> None:
         """Capture at the next call: another graph's warm-ups did the lazy initialisations."""
@@ -235,7 +233,7 @@ class GraphRunner:
             # State the graph reads was replaced: a new capture, from the warm-up (a
             # RecaptureWarning turned into an error refuses it, and the graph stays as it was).
             state.recapture(self.name)
-            self.captured = self.replay = self.backend = None
+            self.captured = self.backend = None
             self.counter = 0
         if self.make_backend is None:  # no CUDA: eager calls, capturable optimizers allowed
             with capturable_on_cpu():  # so that a training step's code runs as on a GPU

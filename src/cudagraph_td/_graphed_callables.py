@@ -218,11 +218,11 @@ def _check_module(module: torch.nn.Module) -> None:
 def _graphed(fn: Any, calls: list[DifferentiableCall]) -> Any:
     """The graphed callable: the replay path of each shape's call in turn, then the slow
     path of the call whose shapes match (or the first one's error)."""
-    replays = [_replay.replay_function(call, _replay.default_routes(call)) for call in calls]
+    paths = [_replay.replay_path(call, _replay.default_routes(call)) for call in calls]
 
     def graphed(*args: Any, **kwargs: Any) -> Any:
-        for replay in replays:
-            out = replay(args, kwargs)
+        for path in paths:
+            out = path.replay(args, kwargs)
             if out is not MISS:
                 return out
         # The slow path. As with torch's function, the inputs' `requires_grad` may differ

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import tensordict.nn
 import torch
@@ -25,17 +25,21 @@ from . import (
 )
 from ._backend import SharedPool, backend_factory, check_options
 from ._buckets import BucketGraphs
-from ._compat import interaction_type, raw_stream
-from ._modes import Mode, any_autocast, autocast_state
+from ._compat import raw_stream
+from ._modes import Mode
 from ._replay import MISS
-from ._shapes import GraphInfo, not_captured
+from ._shapes import GraphInfo, Overflow
+from ._table import GraphTable
 
-# A mode, a device (None off CUDA) and the values of the static arguments (see `_static`).
-GraphsKey = tuple[Mode, torch.device | None, tuple[Any, ...]]
 Graphs = _shapes.Graphs
 
-# Read at every call, so bound once.
-_is_grad_enabled = torch.is_grad_enabled
+
+class GraphsKey(NamedTuple):
+    """What picks a wrapper's `Graphs` (which then pick a graph by the call's shapes)."""
+
+    mode: Mode
+    device: torch.device | None  # None off CUDA
+    values: tuple[Any, ...]  # the values of the static arguments (see `_static`)
 
 
 class CudaGraphModule(tensordict.nn.CudaGraphModule):
@@ -229,36 +233,27 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         self._new_runner = functools.partial(
             _graph.GraphRunner, name, self._fn, warmup, make_backend, self._lock
         )
-        # The graphs by mode and device (None off CUDA; see `_devices`), and per such key the
-        # calls that its replay path answered (see `__call__`).
+        # The graphs by mode, device (None off CUDA; see `_devices`) and static values.
         self._graphs: dict[GraphsKey, Graphs] = {}
-        self._hits: dict[GraphsKey, list[int]] = {}
-        # The last call's mode, its replay path and its count (see `__call__`): none yet.
-        self._last: tuple[Any, ...] = (None, None, None, None, not_captured, [0])
-        self._where: torch.device | None = None  # the last call's device
-        self._values: tuple[Any, ...] = ()  # the last call's static values
-        self._overflowed: set[tuple[Any, ...]] = set()  # modes warned of past max_graphs
+        # The replay paths by the key of the calls they answered: what `__call__` runs.
+        self._table = GraphTable(module, self._shapes.shapes != "static", self._static)
+        self._where: GraphsKey | None = None  # the last slow call's
+        # Per mode and device, the calls past max_graphs static values (see `_select`).
+        self._overflows: dict[tuple[Mode, torch.device | None], Overflow] = {}
         self._order: _sharing.ReplayOrder | None = None  # its replay order (see `_sharing`)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # The replay path. While the mode is the last call's (compared part by part, by
-        # identity: no tuple built), the last call's mode's replay path runs (see `_shapes`),
-        # which answers MISS for a call it leaves to `_call`.
+        # The replay path: the graph table's paths for the call's key (see `_table`), each
+        # of which answers MISS for a call it leaves to `_call`.
         self._lock.acquire()
         try:
             order = self._order
             if order is not None and order.raw != raw_stream(order.device):  # type: ignore[misc]
                 order.follow()  # a call on another stream than the device's last replay
-            interaction, grad, training, autocast, replay, hits = self._last
-            if (
-                interaction_type() is interaction
-                and _is_grad_enabled() is grad
-                and (not self._has_training or self.module.training is training)  # type: ignore[attr-defined]
-                and (not any_autocast() if autocast is None else autocast_state() == autocast)
-            ):
-                out = replay(args, kwargs)
+            for path in self._table.find(args, kwargs):
+                out = path.replay(args, kwargs)
                 if out is not MISS:
-                    hits[0] += 1
+                    path.hits += 1
                     return out
             return self._call(args, kwargs)
         finally:
@@ -266,11 +261,12 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The slow path: a warm-up, a capture, a replay checked in full, or a verified one."""
+        table_key = self._table.key(args, kwargs)
         key, graphs = self._select(args, kwargs)
         if graphs is None:  # a value of the static arguments past max_graphs
             return self._static_overflow(key, args, kwargs)
-        device = self._where = key[1]
-        self._values = key[2]
+        self._where = key
+        device = key.device
         if device is not None:  # this device's replays follow the last one there
             self._order = _sharing.ordered(device.index)
         verifier = self._verifier
@@ -284,8 +280,9 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         if verifier is not None and served is not None and verifier.wants((key, served[0])):
             with _graph.capture_turn(self._lock):  # the function runs only under it
                 verifier.check(copies, args, kwargs, out, graphs, (key, served[0]))
-        graphs.learn(args, kwargs)  # the replay path, for calls like this one
-        self._last = (*key[0], graphs.replay, self._hits.setdefault(key, [0]))
+        path = graphs.learn()  # the replay path, for calls like this one
+        if path is not None:
+            self._table.learn(table_key, path)
         return out
 
     def _select(
@@ -298,10 +295,10 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         if self._backend_name == "cuda":
             device = _devices.call_device(args, kwargs, self.device)
         values = () if self._static is None else self._static.key(args, kwargs)
-        key = (mode, device, values)
+        key = GraphsKey(mode, device, values)
         graphs = self._graphs.get(key)
         if graphs is None:
-            homes = [k[1] for k in self._graphs if k[1] is not None and k[1] != device]
+            homes = [k.device for k in self._graphs if k.device not in (None, device)]
             if homes and device is not None:
                 _devices.check_follows(self._name, self.module, device, homes[0], args, kwargs)
             if values and self._static_values(mode, device) >= self._shapes.max_graphs:
@@ -321,7 +318,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
 
     def _static_values(self, mode: Mode, device: torch.device | None) -> int:
         """How many values of the static arguments have graphs in this mode and device."""
-        return sum(k[0] == mode and k[1] == device for k in self._graphs)
+        return sum(k.mode == mode and k.device == device for k in self._graphs)
 
     def _static_overflow(
         self, key: GraphsKey, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -329,25 +326,22 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         """A call with one value of the static arguments more than ``max_graphs``: eager, after
         a warning (once), or an error."""
         assert self._static is not None
-        seen = [self._static.shown(k[2]) for k in self._graphs if k[:2] == key[:2]]
-        message = _errors_shapes.too_many_graphs(
-            self._name, self._shapes.max_graphs, seen, self._shapes.overflow, what="Static values"
-        )
-        if self._shapes.overflow == "raise":
-            raise RuntimeError(message)
-        if key[:2] not in self._overflowed:
-            self._overflowed.add(key[:2])
-            warnings.warn(message, _errors_shapes.GraphLimitWarning, stacklevel=4)
-        with _graph.capture_turn(self._lock):  # the function runs only under it
-            return self._fn(*args, **kwargs)
+        where = (key.mode, key.device)
+        seen = [self._static.shown(k.values) for k in self._graphs if (k.mode, k.device) == where]
+        overflow = self._overflows.setdefault(where, Overflow(self._name, self._shapes))
+        return overflow.call(self._fn, args, kwargs, self._lock, seen, "Static values", 5)
 
     def _current_graphs(self) -> Graphs | None:  # the current mode's, on the last call's device
-        return self._graphs.get((_modes.current_mode(self.module), self._where, self._values))
+        where = self._where
+        if where is None:
+            return None
+        return self._graphs.get(GraphsKey(_modes.current_mode(self.module), *where[1:]))
 
     def _shown(self, key: GraphsKey) -> str:
         """A mode as ``graphs()`` and ``repr`` show it, with its device if there are several."""
-        shown = _modes.mode_name(key[0], key[1] if len({k[1] for k in self._graphs}) > 1 else None)
-        return shown if self._static is None else f"{shown}, {self._static.shown(key[2])}"
+        several = len({k.device for k in self._graphs}) > 1
+        shown = _modes.mode_name(key.mode, key.device if several else None)
+        return shown if self._static is None else f"{shown}, {self._static.shown(key.values)}"
 
     @property  # tensordict's class keeps an attribute: here, the graphs' count, read-only
     def counter(self) -> int:  # type: ignore[override]
@@ -359,8 +353,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
     def reset(self) -> None:
         """Drop the captured graphs and their buffers; the next call starts the warm-up again."""
         self._graphs.clear()
-        self._hits.clear()
-        self._last = (None, None, None, None, not_captured, [0])
+        self._table.clear()
 
     @property
     def is_captured(self) -> bool:
@@ -376,7 +369,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             return [
                 info
                 for key, graphs in self._graphs.items()
-                for info in graphs.infos(self._shown(key), self._hits.get(key, [0])[0])
+                for info in graphs.infos(self._shown(key))
             ]
 
     def pool(self) -> Any:

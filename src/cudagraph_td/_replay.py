@@ -44,7 +44,6 @@ from ._state import State
 
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
-ReplayFunction = Callable[[Args, Kwargs], Any]
 
 MISS: Any = object()
 """What a replay function returns for a call it leaves to the slow path."""
@@ -267,6 +266,8 @@ class OutKeyValues:
 # The replay function ---------------------------------------------------------------------
 
 Route = tuple[Reader, Writer]
+Read = Callable[[Args, Kwargs], Sequence[Any] | None]
+Write = Callable[[Args, Sequence[torch.Tensor]], Any]
 
 
 def default_routes(captured: Captured) -> list[Route]:
@@ -274,57 +275,86 @@ def default_routes(captured: Captured) -> list[Route]:
     return [(reader_for(captured.signature), Tree.of(captured.outputs))]
 
 
-def replay_function(captured: Captured, routes: Sequence[Route]) -> ReplayFunction:
-    """The replay path of ``captured``: a route's reader, the metadata check, the launch, and
-    that route's writer; ``MISS`` for a call the reader or the check does not pass.
+class ReplayPath:
+    """The replay path of a captured call: a route's reader, the metadata check, the launch,
+    and that route's writer; ``replay`` returns ``MISS`` for a call the reader or the check
+    does not pass.
 
     ``routes`` holds a route for calls without keywords and one for calls with keywords,
-    or one route for both (its reader tells).
+    or one route for both (its reader tells). ``source`` is the graph it replays (for a
+    bucket's rows, the bucket's graph) and ``runner`` the graph's runner: the path is
+    ``alive`` while the runner still holds that graph (a recapture replaces it).
     """
-    Read = Callable[[Args, Kwargs], Sequence[Any] | None]
-    Write = Callable[[Args, Sequence[torch.Tensor]], Any]
-    by_position: tuple[Read, Write | None] = (_miss, None)
-    by_keywords = by_position
-    for reader, writer in routes:
-        # A result that is the first output itself needs no call: the replay returns it.
-        route = (reader.read, None if writer.returns_first else writer.write)
-        if reader.keywords is not True:
-            by_position = route
-        if reader.keywords is not False:
-            by_keywords = route
-    expected = captured.signature.expected
-    # One tensor in: its metadata compared without a list of one element.
-    one = expected[0] if len(expected) == 1 else None
-    # The state it reads (see `_state`): a replaced parameter is a miss, and a recapture.
-    state_holds = captured.state.fresh if captured.state is not None else None
-    if one is not None and captured.bare is not None:
-        unrolled = _one_tensor_replay(routes, one, captured.bare, state_holds)
-        if unrolled is not None:
-            return unrolled
-    # A plain graph with one tensor in and one out: its launch done here, without a call.
-    static_inputs, static_output, bare_replay = captured.bare or (None, None, None)
-    launch = captured.launch
 
-    def replay(args: Args, kwargs: Kwargs) -> Any:
-        read, write = by_keywords if kwargs else by_position
+    hits = 0  # the calls it answered
+
+    def __init__(self, captured: Captured, routes: Sequence[Route], source: Any, runner: Any):
+        self._source = source
+        self._runner = runner
+        by_position: tuple[Read, Write | None] = (_miss, None)
+        by_keywords = by_position
+        for reader, writer in routes:
+            # A result that is the first output itself needs no call: the replay returns it.
+            route = (reader.read, None if writer.returns_first else writer.write)
+            if reader.keywords is not True:
+                by_position = route
+            if reader.keywords is not False:
+                by_keywords = route
+        self._by_position, self._by_keywords = by_position, by_keywords
+        expected = self._expected = captured.signature.expected
+        # One tensor in: its metadata compared without a list of one element.
+        self._one = expected[0] if len(expected) == 1 else None
+        # The state it reads (see `_state`): a replaced parameter is a miss, and a recapture.
+        self._state_holds = captured.state.fresh if captured.state is not None else None
+        # A plain graph with one tensor in and one out: its launch done here, without a call.
+        bare = captured.bare
+        self._static_inputs: list[torch.Tensor] | None = bare[0] if bare else None
+        self._static_output: torch.Tensor | None = bare[1] if bare else None
+        self._bare_replay: Callable[[], None] | None = bare[2] if bare else None
+        self._launch = captured.launch
+
+    def alive(self) -> bool:
+        """Whether the graph it replays is still its runner's (not captured again since)."""
+        return self._runner.captured is self._source
+
+    def replay(self, args: Args, kwargs: Kwargs) -> Any:
+        """Replay the graph for this call; ``MISS`` if the call is not one it reads."""
+        read, write = self._by_keywords if kwargs else self._by_position
         tensors = read(args, kwargs)
         if tensors is None:
             return MISS
+        one = self._one
         try:  # the one metadata check (see `metadata`)
-            same = metadata(tensors[0]) == one if one else list(map(metadata, tensors)) == expected
+            if one is not None:
+                same = metadata(tensors[0]) == one
+            else:
+                same = list(map(metadata, tensors)) == self._expected
         except Exception:  # a leaf that is not a tensor
             same = False
+        state_holds = self._state_holds
         if not same or (state_holds is not None and not state_holds()):
             return MISS
+        bare_replay = self._bare_replay
         if bare_replay is not None:
-            foreach_copy_(static_inputs, tensors)  # type: ignore[arg-type]  # faster than copy_
+            foreach_copy_(self._static_inputs, tensors)  # type: ignore[arg-type]  # faster than copy_
             bare_replay()
-            fresh: Sequence[torch.Tensor] = (static_output.clone(),)  # type: ignore[union-attr]
+            fresh: Sequence[torch.Tensor] = (self._static_output.clone(),)  # type: ignore[union-attr]
         else:
-            fresh = launch(tensors)
+            fresh = self._launch(tensors)
         return fresh[0] if write is None else write(args, fresh)
 
-    return replay
+
+def replay_path(
+    captured: Captured, routes: Sequence[Route], source: Any = None, runner: Any = None
+) -> ReplayPath:
+    """The fastest replay path of ``captured`` for ``routes``: for one tensor in and out on a
+    bare graph read by a common reader, `OneTensorPath`; else `ReplayPath`."""
+    expected = captured.signature.expected
+    if len(expected) == 1 and captured.bare is not None:
+        unrolled = OneTensorPath.of(captured, routes, source, runner)
+        if unrolled is not None:
+            return unrolled
+    return ReplayPath(captured, routes, source, runner)
 
 
 def _miss(args: Args, kwargs: Kwargs) -> None:
@@ -332,67 +362,85 @@ def _miss(args: Args, kwargs: Kwargs) -> None:
     return None
 
 
-def _one_tensor_replay(
-    routes: Sequence[Route],
-    expected: Any,
-    bare: Bare,
-    state_holds: Callable[[], bool] | None,
-) -> ReplayFunction | None:
-    """``replay_function``'s steps for one tensor in and out on a bare graph, the common
-    readers and writers unrolled from their data (None if a route has another)."""
-    position: Any = None  # "args": the tensor is the argument; else a TensorDict reader
-    name = out_key = None
-    for reader, writer in routes:
-        if isinstance(reader, Keywords) and len(reader.names) == 1 and writer.returns_first:
-            (name,) = reader.names
-        elif isinstance(reader, Positional) and reader.count == 1 and writer.returns_first:
-            position = "args"
-        elif (
-            isinstance(reader, TensorDictEntries)
-            and reader.flat
-            and not reader.exact
-            and len(reader.keys) == 1
-            and isinstance(writer, IntoTensorDict)
-            and writer.key is not None
-        ):
-            position, out_key = reader, writer.key
-        else:
-            return None
-    entries = position if isinstance(position, TensorDictEntries) else None
-    key, batch_size = (entries.keys[0], entries.batch_size) if entries else (None, None)
-    static_inputs, static_output, bare_replay = bare
+class OneTensorPath(ReplayPath):
+    """`ReplayPath` for one tensor in and out on a bare graph, the common readers and
+    writers unrolled from their data."""
 
-    def replay(args: Args, kwargs: Kwargs) -> Any:
+    def __init__(
+        self,
+        captured: Captured,
+        routes: Sequence[Route],
+        source: Any,
+        runner: Any,
+        position: Any,
+        name: str | None,
+        out_key: Any,
+    ):
+        super().__init__(captured, routes, source, runner)
+        # "args": the tensor is the argument; a TensorDict reader: its one entry; else None.
+        self._position = position
+        self._name = name
+        self._out_key = out_key
+        entries = position if isinstance(position, TensorDictEntries) else None
+        self._key: Any = entries.keys[0] if entries else None
+        self._batch_size: torch.Size | None = entries.batch_size if entries else None
+
+    @classmethod
+    def of(
+        cls, captured: Captured, routes: Sequence[Route], source: Any, runner: Any
+    ) -> OneTensorPath | None:
+        """The path of ``captured``, if each route's reader and writer is one it unrolls."""
+        position: Any = None
+        name = out_key = None
+        for reader, writer in routes:
+            if isinstance(reader, Keywords) and len(reader.names) == 1 and writer.returns_first:
+                (name,) = reader.names
+            elif isinstance(reader, Positional) and reader.count == 1 and writer.returns_first:
+                position = "args"
+            elif (
+                isinstance(reader, TensorDictEntries)
+                and reader.flat
+                and not reader.exact
+                and len(reader.keys) == 1
+                and isinstance(writer, IntoTensorDict)
+                and writer.key is not None
+            ):
+                position, out_key = reader, writer.key
+            else:
+                return None
+        return cls(captured, routes, source, runner, position, name, out_key)
+
+    def replay(self, args: Args, kwargs: Kwargs) -> Any:
         td = None
         if kwargs:  # Keywords
+            name = self._name
             if args or name is None or len(kwargs) != 1:
                 return MISS
             t = kwargs.get(name)
             tensors: Sequence[Any] = (t,)
-        elif len(args) != 1 or position is None:
+        elif len(args) != 1 or self._position is None:
             return MISS
-        elif key is None:  # Positional: the arguments are the tensors, copied as they are
+        elif self._key is None:  # Positional: the arguments are the tensors, copied as they are
             t = args[0]
             tensors = args
         else:  # TensorDictEntries: the module's in_key
             td = args[0]
-            if type(td) is not TensorDict or td.batch_size != batch_size:
+            if type(td) is not TensorDict or td.batch_size != self._batch_size:
                 return MISS
-            t = td_entries(td).get(key)
+            t = td_entries(td).get(self._key)
             tensors = (t,)
         try:  # the metadata check (a missing entry, None, fails it too)
-            same = metadata(t) == expected
+            same = metadata(t) == self._one
         except Exception:
             same = False
+        state_holds = self._state_holds
         if not same or (state_holds is not None and not state_holds()):
             return MISS
         # A tuple, not a list: `_foreach_copy_` takes it faster (0.2 us measured).
-        foreach_copy_(static_inputs, tensors)  # type: ignore[arg-type]  # faster than copy_
-        bare_replay()
-        out = static_output.clone()
+        foreach_copy_(self._static_inputs, tensors)  # type: ignore[arg-type]  # faster than copy_
+        self._bare_replay()  # type: ignore[misc]
+        out = self._static_output.clone()  # type: ignore[union-attr]
         if td is None:  # the tensor itself
             return out
-        td[out_key] = out  # IntoTensorDict; [] = writes faster than set()
+        td[self._out_key] = out  # IntoTensorDict; [] = writes faster than set()
         return td
-
-    return replay

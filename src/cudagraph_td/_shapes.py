@@ -21,7 +21,7 @@ import torch
 
 from . import _errors, _errors_shapes, _replay, _tree
 from ._graph import GraphRunner, capture_turn
-from ._replay import MISS, Captured, ReplayFunction
+from ._replay import Captured, ReplayPath
 
 SHAPES = ("static", "exact", "buckets")
 OVERFLOW = ("eager", "raise")
@@ -111,7 +111,7 @@ class Graphs:
         name: str,
         options: ShapeOptions,
         new_runner: Callable[[], GraphRunner],
-        route: Callable[[Captured], ReplayFunction],
+        route: Callable[[Captured, GraphRunner, Captured], ReplayPath],
         settled: Callable[[Hashable], bool],
         fn: Callable[..., Any],
         lock: Any,
@@ -120,7 +120,6 @@ class Graphs:
         self._fn = fn
         self.options = options
         self.runners: dict[Hashable, GraphRunner] = {}
-        self.replay: ReplayFunction = not_captured
         # The key and captured call of the graph whose replay answered the last call through
         # `run`, else None (see verify=).
         self.replayed: tuple[Hashable, Captured] | None = None
@@ -130,16 +129,13 @@ class Graphs:
         self._settled = settled
         self._lock = lock
         self._served: tuple[Hashable, Captured, int, int] | None = None  # see `learn`
-        # The replay paths learned, by the shape of a call's first input: (path, [replays]).
-        self._table: dict[Any, tuple[ReplayFunction, list[int]]] = {}
-        # Replays counted on the slow path, and per path of the table: (key, rows, padded).
-        self._counts: list[tuple[Hashable, int, int, list[int]]] = []
-        self._slow: dict[tuple[Hashable, int, int], list[int]] = {}
-        self._paths: dict[int, tuple[ReplayFunction, list[int], Captured]] = {}
+        # Replays counted on the slow path, and per replay path: (key, rows, padded, count).
+        self._counts: list[tuple[Hashable, int, int, Tally | ReplayPath]] = []
+        self._slow: dict[tuple[Hashable, int, int], Tally] = {}
+        # The replay path of each captured call (a bucket's rows are calls of their own).
+        self._paths: dict[int, tuple[ReplayPath, Captured]] = {}
         self._views: dict[Hashable, tuple[Captured, Captured]] = {}
-        self._warned = False
-        if options.shapes != "static":
-            self.replay = self._dispatch()
+        self.overflow = Overflow(name, options)
 
     @property
     def captured(self) -> Captured | None:
@@ -208,9 +204,9 @@ class Graphs:
             self._served = (key, captured, rows, padded_rows)
         count = self._slow.get((key, rows, padded_rows))
         if count is None:
-            count = self._slow[(key, rows, padded_rows)] = [0]
+            count = self._slow[(key, rows, padded_rows)] = Tally()
             self._counts.append((key, rows, padded_rows, count))
-        count[0] += 1
+        count.hits += 1
 
     def _admit(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Raise if a call differs from the wrapper's graphs by more than its shapes."""
@@ -226,51 +222,33 @@ class Graphs:
     ) -> Any:
         """A call past ``max_graphs`` or above the largest bucket (on this rank, or on
         another rank of a DDP step: ``elsewhere``): eager, or an error."""
-        options = self.options
-        if batch is not None:
-            if options.overflow == "raise":
-                raise _errors_shapes.above_buckets(self.name, batch, options.buckets, elsewhere)
-        else:
-            message = _errors_shapes.too_many_graphs(
-                self.name, options.max_graphs, [_shown(k) for k in self.runners], options.overflow
-            )
-            if options.overflow == "raise":
-                raise RuntimeError(message)
-            if not self._warned:
-                self._warned = True
-                warnings.warn(message, _errors_shapes.GraphLimitWarning, stacklevel=5)
-        with capture_turn(self._lock):  # the wrapper's function runs only under it
-            return self._fn(*args, **kwargs)
+        if batch is not None and self.options.overflow == "raise":
+            raise _errors_shapes.above_buckets(self.name, batch, self.options.buckets, elsewhere)
+        seen = [] if batch is not None else [_shown(k) for k in self.runners]
+        return self.overflow.call(
+            self._fn, args, kwargs, self._lock, seen if batch is None else None
+        )
 
     # The replay path -----------------------------------------------------------------------
 
-    def learn(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Give the replay path the graph that answered this call by a replay, if any: the
-        mode's path ("static"), or the path of calls whose first input has this one's shape."""
+    def learn(self) -> ReplayPath | None:
+        """The replay path of the graph that answered the last call by a replay, for the
+        wrapper's graph table to give calls like it (see `_table`); None if none did, or
+        while its replays take the slow path (verify=, a DDP step's agreement)."""
         served = self._served
         if served is None or self.options.agreement is not None:  # each call agrees first
-            return
+            return None
         key, captured, rows, padded_rows = served
         if not self._settled(key):
-            return
-        path, count = self._path(captured, key, rows, padded_rows)
-        if self.options.shapes == "static":
-            self.replay = path
-            return
-        shape = _first_shape(args, kwargs)
-        if shape is not None:
-            self._table[shape] = (path, count)
-
-    def _path(
-        self, captured: Captured, key: Hashable, rows: int, padded_rows: int
-    ) -> tuple[ReplayFunction, list[int]]:
+            return None
         known = self._paths.get(id(captured))
-        if known is None or known[2] is not captured:
+        if known is None or known[1] is not captured:
             self._forget_replaced()
-            count = [0]
-            self._counts.append((key, rows, padded_rows, count))
-            known = self._paths[id(captured)] = (self._route(captured), count, captured)
-        return known[0], known[1]
+            runner = self.runners[key]
+            path = self._route(captured, runner, runner.captured or captured)
+            self._counts.append((key, rows, padded_rows, path))
+            known = self._paths[id(captured)] = (path, captured)
+        return known[0]
 
     def _forget_replaced(self) -> None:
         """Drop the replay paths and views of graphs captured again since (a replaced
@@ -279,39 +257,22 @@ class Graphs:
         self._views = {k: v for k, v in self._views.items() if id(v[0]) in live}
         live |= {id(view) for _, view in self._views.values()}
         self._paths = {k: v for k, v in self._paths.items() if k in live}
-        paths = {id(path) for path, _, _ in self._paths.values()}
-        for shape in [s for s, (path, _) in self._table.items() if id(path) not in paths]:
-            del self._table[shape]
-
-    def _dispatch(self) -> ReplayFunction:
-        table = self._table
-
-        def replay(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            try:  # the shape of the first input (a TensorDict's is its batch size)
-                first = args[0] if args else next(iter(kwargs.values()))
-                path, count = table[first.shape]
-            except Exception:  # no input, no shape, or no path learned for it
-                return MISS
-            out = path(args, kwargs)
-            if out is not MISS:
-                count[0] += 1
-            return out
-
-        return replay
+        # Their counts stay, without them.
+        for i, (key, rows, padded, count) in enumerate(self._counts):
+            if isinstance(count, ReplayPath) and not count.alive():
+                self._counts[i] = (key, rows, padded, Tally(count.hits))
 
     # Introspection -------------------------------------------------------------------------
 
-    def infos(self, mode: str, fast_replays: int) -> list[GraphInfo]:
-        """The graphs of this mode; ``fast_replays``: the static graph's replay-path calls."""
+    def infos(self, mode: str) -> list[GraphInfo]:
+        """The graphs of this mode."""
         replays: dict[Hashable, int] = {}
         rows: dict[Hashable, list[int]] = {}
         for key, real, padded, count in self._counts:
-            replays[key] = replays.get(key, 0) + count[0]
+            replays[key] = replays.get(key, 0) + count.hits
             total = rows.setdefault(key, [0, 0])
-            total[0] += count[0] * real
-            total[1] += count[0] * padded
-        if self.options.shapes == "static" and None in self.runners:
-            replays[None] = replays.get(None, 0) + fast_replays
+            total[0] += count.hits * real
+            total[1] += count.hits * padded
         infos = []
         for key, runner in self.runners.items():
             real, padded = rows.get(key, (0, 0))
@@ -326,11 +287,6 @@ def _shown(key: Hashable) -> Any:
     if isinstance(key, tuple) and len(key) == 2 and not isinstance(key[0], int):
         return key[1]
     return key
-
-
-def _first_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    first = args[0] if args else next(iter(kwargs.values()), None)
-    return getattr(first, "shape", None)
 
 
 def exact_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
@@ -373,14 +329,51 @@ def _settled(verifier: Any, mode: Hashable, key: Hashable) -> bool:
     return verifier is None or not verifier.wants((mode, key))
 
 
-def _route(layer: Any, captured: Captured) -> ReplayFunction:
-    """The replay path of a captured graph: its routes, from the TensorDict layer's readers
-    and writers for a TensorDict module, else the fastest for the call."""
-    if layer is not None:
-        return _replay.replay_function(captured, layer.routes(captured))
-    return _replay.replay_function(captured, _replay.default_routes(captured))
+def _route(layer: Any, captured: Captured, runner: GraphRunner, source: Captured) -> ReplayPath:
+    """The replay path of a captured call (``source``: the runner's graph it replays, which
+    ``captured`` is or views): its routes, from the TensorDict layer's readers and writers
+    for a TensorDict module, else the fastest for the call."""
+    routes = layer.routes(captured) if layer is not None else _replay.default_routes(captured)
+    return _replay.replay_path(captured, routes, source, runner)
 
 
-def not_captured(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The replay path before any graph is captured: every call takes the slow path."""
-    return MISS
+class Tally:
+    """The replays of one graph counted on the slow path (a `ReplayPath` counts its own)."""
+
+    def __init__(self, hits: int = 0):
+        self.hits = hits
+
+
+class Overflow:
+    """A call that no graph answers (past ``max_graphs`` graphs or static values, above the
+    largest bucket): the function run eagerly, after a warning (once), or an error."""
+
+    def __init__(self, name: str, options: ShapeOptions):
+        self.name = name
+        self.options = options
+        self.warned = False
+
+    def call(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        lock: Any,
+        seen: list[Any] | None,
+        what: str = "Shapes",
+        stacklevel: int = 6,
+    ) -> Any:
+        """Run ``fn`` for a call past the graphs ``seen`` (None: above the largest bucket,
+        whose error the caller raised), or raise if ``overflow="raise"``."""
+        options = self.options
+        if seen is not None:
+            message = _errors_shapes.too_many_graphs(
+                self.name, options.max_graphs, seen, options.overflow, what=what
+            )
+            if options.overflow == "raise":
+                raise RuntimeError(message)
+            if not self.warned:
+                self.warned = True
+                warnings.warn(message, _errors_shapes.GraphLimitWarning, stacklevel=stacklevel)
+        with capture_turn(lock):  # the wrapper's function runs only under it
+            return fn(*args, **kwargs)

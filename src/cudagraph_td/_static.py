@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import inspect
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import torch
@@ -69,14 +69,11 @@ class StaticArgs:
             TypeError: A declared argument is a tensor, or a value that cannot be hashed.
         """
         key: list[Hashable] = []
-        for position, keyword in self.entries:
-            if keyword is not None and keyword in kwargs:
-                value, path = kwargs[keyword], f'kwargs["{keyword}"]'
-            elif position is not None and position < len(args):
-                value, path = args[position], f"args[{position}]"
-            else:
+        for value, where in self._found(args, kwargs):
+            if value is DEFAULT:
                 key.append(DEFAULT)
                 continue
+            path = f'kwargs["{where}"]' if isinstance(where, str) else f"args[{where}]"
             if isinstance(value, torch.Tensor) or _is_tensordict(value):
                 raise TypeError(
                     f"{self.name}: the static argument {path} is a {type(value).__name__}: "
@@ -92,6 +89,27 @@ class StaticArgs:
                 ) from None
             key.append((type(value), value))
         return tuple(key)
+
+    def values(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Hashable, ...]:
+        """``key`` unchecked, for the graph table (see `_table`): the slow path's ``key``
+        raises the errors of a value that cannot pick a graph."""
+        return tuple(
+            DEFAULT if value is DEFAULT else (type(value), value)
+            for value, _ in self._found(args, kwargs)
+        )
+
+    def _found(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Iterator[tuple[Any, str | int | None]]:
+        """Each declared argument's value in the call (``DEFAULT`` if left out), with where
+        it was found: its keyword, or its position."""
+        for position, keyword in self.entries:
+            if keyword is not None and keyword in kwargs:
+                yield kwargs[keyword], keyword
+            elif position is not None and position < len(args):
+                yield args[position], position
+            else:
+                yield DEFAULT, None
 
     def shown(self, key: tuple[Hashable, ...]) -> str:
         """The values of a graph's static arguments, as ``graphs()`` and ``repr`` show them."""

@@ -1,0 +1,156 @@
+"""The graph table: every kind of call seen before replays without the slow path, whatever
+the order of the calls (modes, shapes of any input, static values)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+
+from cudagraph_td import CudaGraphModule
+
+from .conftest import Backend
+
+
+def _slow_calls(graphed: CudaGraphModule) -> list[int]:
+    """Count the calls that take the wrapper's slow path from now on."""
+    count = [0]
+    slow = graphed._call
+
+    def counted(args: Any, kwargs: Any) -> Any:
+        count[0] += 1
+        return slow(args, kwargs)
+
+    graphed._call = counted  # type: ignore[method-assign]
+    return count
+
+
+def test_alternating_grad_and_no_grad_calls_replay_without_the_slow_path(
+    backend: Backend,
+) -> None:
+    # A policy that collects under no_grad and is trained in grad mode, in turn.
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3).to(backend.device)
+    policy = TensorDictModule(net, in_keys=["obs"], out_keys=["action"])
+    graphed = backend.wrap(policy, warmup=2)
+    for _ in range(2):  # each mode's warm-up call and capture
+        with torch.no_grad():
+            graphed(TensorDict(obs=backend.randn(8, 4), batch_size=[8]))
+        graphed(TensorDict(obs=backend.randn(8, 4), batch_size=[8]))
+    slow = _slow_calls(graphed)
+    for _ in range(5):
+        obs = backend.randn(8, 4)
+        with torch.no_grad():
+            collected = graphed(TensorDict(obs=obs.clone(), batch_size=[8]))["action"]
+        trained = graphed(TensorDict(obs=obs.clone(), batch_size=[8]))["action"]
+        expected = net(obs)
+        assert not collected.requires_grad and trained.requires_grad
+        torch.testing.assert_close(collected, expected.detach())
+        torch.testing.assert_close(trained, expected)
+        trained.sum().backward()  # the grad-mode graph's backward
+    assert slow[0] == 0
+    assert net.weight.grad is not None
+
+
+def test_alternating_training_and_eval_modes_replay_without_the_slow_path(
+    backend: Backend,
+) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 2)).to(backend.device)
+    graphed = backend.wrap(net, warmup=1)
+    with torch.no_grad():
+        net.eval()
+        graphed(backend.randn(3, 4))
+        net.train()
+        graphed(backend.randn(3, 4))
+        slow = _slow_calls(graphed)
+        for _ in range(4):
+            x = backend.randn(3, 4)
+            net.eval()
+            torch.testing.assert_close(graphed(x), net(x))
+            net.train()
+            assert graphed(x).shape == (3, 2)
+    assert slow[0] == 0
+
+
+def test_a_later_inputs_shape_alternating_stays_on_the_replay_path(backend: Backend) -> None:
+    # "exact": the graphs are picked by every input's shape, not only the first one's.
+    def f(obs: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return obs.sum(-1, keepdim=True) * hidden.mean(-1, keepdim=True)
+
+    graphed = backend.wrap(f, warmup=1, shapes="exact")
+    obs = backend.randn(4, 3)
+    for width in (5, 7):
+        graphed(obs, backend.randn(4, width))
+    slow = _slow_calls(graphed)
+    for _ in range(4):
+        for width in (5, 7):
+            hidden = backend.randn(4, width)
+            torch.testing.assert_close(graphed(obs, hidden), f(obs, hidden))
+    assert slow[0] == 0
+    assert sorted(info.replays for info in graphed.graphs()) == [4, 4]
+
+
+def test_alternating_static_values_stay_on_the_replay_path(backend: Backend) -> None:
+    def update(x: torch.Tensor, actor: bool) -> torch.Tensor:
+        return x * 2 if actor else x - 1
+
+    graphed = backend.wrap(update, warmup=1, static=("actor",))
+    for actor in (True, False):
+        graphed(backend.randn(3), actor)
+    slow = _slow_calls(graphed)
+    for _ in range(3):
+        for actor in (True, False):
+            x = backend.randn(3)
+            torch.testing.assert_close(graphed(x, actor), update(x, actor))
+    assert slow[0] == 0
+
+
+def test_calls_of_one_key_on_two_graphs_both_replay(backend: Backend) -> None:
+    # Two TensorDicts of one batch size, with entries of other shapes ("exact"): the key
+    # (the batch size) does not tell them apart; the table keeps a path for each.
+    def f(td: TensorDict) -> torch.Tensor:
+        return td["a"].sum(-1)
+
+    graphed = backend.wrap(f, warmup=1, shapes="exact")
+
+    def td(width: int) -> TensorDict:
+        return TensorDict(a=backend.randn(2, width), batch_size=[2])
+
+    graphed(td(3))
+    graphed(td(5))
+    for width in (3, 5):  # each one's first replay teaches the table
+        graphed(td(width))
+    slow = _slow_calls(graphed)
+    for _ in range(3):
+        for width in (3, 5):
+            x = td(width)
+            torch.testing.assert_close(graphed(x), f(x))
+    assert slow[0] == 0
+
+
+def test_a_mismatch_in_a_known_key_still_raises_the_slow_paths_error(backend: Backend) -> None:
+    graphed = backend.wrap(lambda x: x + 1, warmup=1)
+    for _ in range(2):
+        graphed(backend.randn(3))
+    with pytest.raises(ValueError, match="dtype"):
+        graphed(torch.zeros(3, dtype=torch.float64, device=backend.device))
+
+
+def test_a_recaptured_graph_leaves_the_table(backend: Backend) -> None:
+    net = nn.Linear(2, 2).to(backend.device)
+    graphed = backend.wrap(net, warmup=1)
+    with torch.no_grad():
+        for _ in range(2):
+            graphed(backend.randn(1, 2))
+        (old,) = graphed._table.paths()
+        net.weight = nn.Parameter(torch.ones(2, 2, device=backend.device))
+        with pytest.warns(UserWarning, match="captured again"):
+            for _ in range(3):
+                x = backend.randn(1, 2)
+                torch.testing.assert_close(graphed(x), net(x))
+    assert old not in graphed._table.paths() and len(graphed._table.paths()) == 1
