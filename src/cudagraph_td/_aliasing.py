@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from . import _errors
-from ._compat import version
+from ._compat import foreach_copy_, version
 from ._signature import Signature
 
 _storage = torch.Tensor.untyped_storage
@@ -54,6 +54,12 @@ class WrittenInputs:
     def __init__(self, signature: Signature, indices: list[int]):
         self.indices = indices
         self._signature = signature
+        self._static = [signature.static_inputs[i] for i in indices]
+
+    def copy_back(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Give the caller's ``tensors`` the values that a replay wrote into the graph's
+        static copies of them, as the function wrote into its inputs in eager mode."""
+        foreach_copy_([tensors[i] for i in self.indices], self._static)
 
     def check(self, tensors: Sequence[torch.Tensor]) -> None:
         """Raise if an input that the graph writes overlaps another input of a call.

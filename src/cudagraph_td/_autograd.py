@@ -153,8 +153,6 @@ class DifferentiableCall:
         self._saved = forward.saved
         # The inputs that the forward writes in place, copied back to the caller's tensors;
         # a call where another input shares their memory is refused (see `_aliasing`).
-        self._mutated = mutated
-        self._mutated_static = [signature.static_inputs[i] for i in mutated]
         self._writes = WrittenInputs(signature, mutated)
 
     def launch(
@@ -162,7 +160,7 @@ class DifferentiableCall:
     ) -> Sequence[torch.Tensor]:
         """Replay the forward on ``tensors`` (checked) inside the autograd node, whose
         backward refuses to run if ``ungraded`` names inputs (see ``ungraded``)."""
-        if self._mutated:  # decided at capture: a graph that writes no input checks nothing
+        if self._writes.indices:  # decided at capture: a graph that writes no input checks nothing
             return self._launch_writing(tensors, ungraded)
         return _GraphedFunction.apply(self, ungraded, *tensors, *self.params)  # type: ignore[no-any-return]
 
@@ -175,7 +173,7 @@ class DifferentiableCall:
         self._writes.check(tensors)
         outputs = _GraphedFunction.apply(self, ungraded, *tensors, *self.params)
         with torch.no_grad():
-            foreach_copy_([tensors[i] for i in self._mutated], self._mutated_static)
+            self._writes.copy_back(tensors)
         return outputs  # type: ignore[no-any-return]
 
     def ungraded(self, tensors: Sequence[torch.Tensor]) -> tuple[str, ...]:

@@ -48,8 +48,6 @@ class GraphCall:
         self._replay = graph_replay(graph)
         # The inputs that the function writes in place, copied back to the caller's tensors;
         # a call where another input shares their memory is refused (see `_aliasing`).
-        self._mutated = mutated
-        self._mutated_static = [signature.static_inputs[i] for i in mutated]
         self._writes = WrittenInputs(signature, mutated)
         self._fresh = outputs.copies.make
         # One tensor in and one out, nothing else to do: the replay path launches it itself.
@@ -61,13 +59,14 @@ class GraphCall:
     def rows(self, signature: Signature, outputs: Outputs) -> GraphCall:
         """This graph replayed on fewer rows: ``signature``'s static inputs and ``outputs``'
         static tensors are views of the first rows of this graph's (a bucket's graph)."""
-        return GraphCall(signature, self.graph, outputs, self._mutated, self._watch, self.state)
+        mutated = self._writes.indices
+        return GraphCall(signature, self.graph, outputs, mutated, self._watch, self.state)
 
     def launch(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """Copy ``tensors`` (checked) into the static inputs, replay, return fresh outputs."""
         if self._watch is not None:  # a training step: its gradients and hyperparameters
             self._watch()
-        if self._mutated:  # decided at capture: a graph that writes no input checks nothing
+        if self._writes.indices:  # decided at capture: a graph that writes no input checks nothing
             return self._launch_writing(tensors)
         if tensors:
             foreach_copy_(self._static_inputs, tensors)  # type: ignore[arg-type]
@@ -80,7 +79,7 @@ class GraphCall:
         self._writes.check(tensors)
         foreach_copy_(self._static_inputs, tensors)  # type: ignore[arg-type]
         self._replay()
-        foreach_copy_([tensors[i] for i in self._mutated], self._mutated_static)
+        self._writes.copy_back(tensors)
         return self._fresh()
 
 
