@@ -20,7 +20,10 @@ Two timings per variant and round:
   when a call's GPU work takes longer.
 
 The tables report the median over the rounds, and ratios to the hand-written floor and to
-tensordict's ``CudaGraphModule``; the targets are checked on CPU time.
+tensordict's ``CudaGraphModule``; for workloads g and h, each variant that takes turns
+between two modes or shapes against the mean of its steady variants (one mode or shape
+only). The targets say which time they check: CPU time, but for the graphed training loops
+of e and e2, wall time.
 
 Then the capture cost: for each wrapper, the time and the GPU memory from its construction
 to its first replay, each wrapper built fresh after the others were freed.
@@ -131,14 +134,21 @@ def grad_context(workload: workloads.Workload) -> AbstractContextManager[Any]:
     return torch.no_grad() if workload.no_grad else nullcontext()
 
 
+def wanted(name: str, args: argparse.Namespace) -> bool:
+    """Whether the variant ``name`` is to be timed, by ``--variants`` and ``--no-compile``."""
+    if args.variants and name not in args.variants.split(","):
+        return False
+    return not (args.no_compile and name == "compile")
+
+
 def build(
-    workload: workloads.Workload, only: set[str] | None
+    workload: workloads.Workload, args: argparse.Namespace
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """Build the variants, run each a few times (warm-up, capture); return them and the skips."""
     calls: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     for name, make in workload.variants.items():
-        if only is not None and name not in only:
+        if not wanted(name, args):
             continue
         try:
             call = bracketed(make)
@@ -154,9 +164,8 @@ def build(
 
 
 def measure(workload: workloads.Workload, args: argparse.Namespace) -> dict[str, Any]:
-    only = set(args.variants.split(",")) if args.variants else None
     with grad_context(workload):
-        calls, skipped = build(workload, only)
+        calls, skipped = build(workload, args)
         per_call = max(1e-6, time_calls(calls["eager"], 20) / 1e6)
         n = max(20, min(args.calls, int(args.seconds / per_call)))
         times: dict[str, list[float]] = {name: [] for name in calls}
@@ -180,6 +189,8 @@ def measure(workload: workloads.Workload, args: argparse.Namespace) -> dict[str,
         "all_us": times,
         "all_cpu_us": cpu,
         "skipped": skipped,
+        # A variant taking turns between modes or shapes -> its steady variants (g, h).
+        "steady": {name: list(steady) for name, steady in workload.steady.items()},
     }
 
 
@@ -257,10 +268,6 @@ def main() -> None:
     if not torch.cuda.is_available():
         cpu_fallback(args)
         return
-    if args.no_compile:
-        args.variants = args.variants or (
-            f"eager,floor,tensordict,cudagraph_td,cudagraph_td (module),{workloads.BEFORE}"
-        )
     device = torch.device("cuda")
     chosen = tuple(p.strip() for p in args.workloads.split(",") if p.strip())
     results, captures = [], []
@@ -271,6 +278,8 @@ def main() -> None:
         results.append(measure(workload, args))
         captures.append(capture_cost(workload))
         print(report.table([results[-1]]), flush=True)
+        if results[-1]["steady"]:
+            print(report.steady_table([results[-1]]), flush=True)
     meta = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,

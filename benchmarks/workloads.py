@@ -14,15 +14,21 @@ a tool cannot run is left out with the reason (``Unsupported``).
 - ``cudagraph_td``: this library.
 - ``cudagraph_td (before)``: an earlier version of this library, timed in the same run
   (``run.py --baseline``), to check that a change costs nothing per call.
+
+Workloads g and h call one wrapper in two modes or with two shapes, taking turns: each
+tool's variant of that name takes turns, and its *steady* variants (``<tool>, <mode> only``)
+are the same construction called in one mode or with one shape only. The report sets the
+first against the mean of the second (``Workload.steady``).
 """
 
 from __future__ import annotations
 
 import copy
 import importlib.util
+import itertools
 import pathlib
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +59,9 @@ class Workload:
     captures: dict[str, Callable[[], Call]] = field(default_factory=dict)
     # Timed under torch.no_grad() (a policy in a collector), else in grad mode.
     no_grad: bool = False
+    # A variant that takes turns between modes or shapes -> its steady variants, each the
+    # same construction called in one of them only (workloads g and h).
+    steady: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 # An earlier version of the library, as a package of another name (see `run.py --baseline`).
@@ -426,6 +435,70 @@ def forward_backward(device: torch.device) -> Workload:
     return w
 
 
+# (e2) --------------------------------------------------------------------------------
+
+
+def documented_loop(device: torch.device) -> Workload:
+    """The training loop of torch's CUDA graphs notes ("Partial-network capture"), with a
+    launch-bound network: two modules graphed one by one, the second one's sample input
+    requiring grad as its real input does; an eager loss, ``backward()``, an SGD step and
+    ``zero_grad(set_to_none=True)``, over ten batches in turn.
+
+    The notes pick the second module by ``tmp.sum().item() > 0``: a host synchronisation
+    at every step, whose wait would be timed, not the graphs. Here it is always the same one.
+    """
+    torch.manual_seed(0)
+    n, d_in, hidden, d_out = 128, 64, 256, 16
+    layers1 = [nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU()]
+    layers2 = [nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, d_out)]
+    template1, template2 = nn.Sequential(*layers1).to(device), nn.Sequential(*layers2).to(device)
+    loss_fn = nn.MSELoss()
+    x = torch.randn(n, d_in, device=device)
+    h = torch.randn(n, hidden, device=device, requires_grad=True)
+    batches = [(torch.rand_like(x), torch.randn(n, d_out, device=device)) for _ in range(10)]
+
+    def loop(graph: Callable[[nn.Module, tuple[torch.Tensor, ...]], Any]) -> Callable[[], Call]:
+        def factory() -> Call:
+            module1, module2 = copy.deepcopy(template1), copy.deepcopy(template2)
+            optimizer = torch.optim.SGD(
+                itertools.chain(module1.parameters(), module2.parameters()), lr=0.01
+            )
+            # Samples of their own: torch's graphs keep theirs as static inputs.
+            graphed1 = graph(module1, (x.clone(),))
+            graphed2 = graph(module2, (h.detach().clone().requires_grad_(),))
+            batch = itertools.cycle(batches)
+
+            def step() -> None:
+                data, target = next(batch)
+                optimizer.zero_grad(set_to_none=True)
+                tmp = graphed2(graphed1(data))
+                loss = loss_fn(tmp, target)
+                loss.backward()
+                optimizer.step()
+
+            return step
+
+        return factory
+
+    w = Workload(
+        "e2. torch's documented loop",
+        "torch's documented make_graphed_callables loop: two MLPs (64-256-256, 256-256-16, "
+        "batch 128) graphed one by one, eager MSE loss, backward, SGD step, "
+        "`zero_grad(set_to_none=True)`",
+    )
+    # torch's make_graphed_callables is the hand-written reference here: the floor.
+    w.variants = {
+        "eager": loop(lambda module, sample: module),
+        "floor": loop(_torch_graphed),
+        "cudagraph_td": loop(cudagraph_td.make_graphed_callables),
+        "cudagraph_td (module)": loop(
+            lambda module, sample: cudagraph_td.CudaGraphModule(module, warmup=2)
+        ),
+    }
+    w.captures = {"cudagraph_td": loop(cudagraph_td.make_graphed_callables)}
+    return w
+
+
 # (f) ---------------------------------------------------------------------------------
 
 BUCKETS = [1, 2, 4, 8, 16, 32, 64]
@@ -508,6 +581,245 @@ def policy_random_batch(device: torch.device) -> Workload:
     return w
 
 
+# (g, h) ------------------------------------------------------------------------------
+
+
+def _taking_turns(calls: Sequence[Call]) -> Call:
+    """Each of ``calls`` in turn, one per call. A steady variant (one call) goes through the
+    same turn, so that the comparison with it leaves out the cost of taking turns."""
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
+
+
+def _with_steady(
+    w: Workload,
+    tool: str,
+    make: Callable[[tuple[Any, ...]], Call],
+    settings: tuple[Any, ...],
+    label: Callable[[Any], str],
+) -> None:
+    """Add to ``w`` the variant ``tool`` that takes turns between ``settings`` (modes or
+    shapes), and its steady variants: the same construction, made anew, with one setting."""
+    w.variants[tool] = lambda: make(settings)
+    steady = []
+    for setting in settings:
+        name = f"{tool}, {label(setting)} only"
+        w.variants[name] = lambda setting=setting: make((setting,))
+        steady.append(name)
+    w.steady[tool] = tuple(steady)
+
+
+def _warm(calls: Sequence[Call]) -> None:
+    # Every mode or shape past its warm-up and capture (warmup=2), in the order timed.
+    for _ in range(3):
+        for call in calls:
+            call()
+
+
+# (g) ---------------------------------------------------------------------------------
+
+MODES = {False: "no_grad", True: "grad"}  # the collector's call first, then training's
+
+
+def _in_mode(f: Callable[[TensorDict], Any], td: TensorDict, grad: bool) -> Call:
+    def call() -> Any:
+        with torch.set_grad_enabled(grad):  # the same context for both modes
+            return f(td)
+
+    return call
+
+
+def _check_gradients(
+    f: Callable[[TensorDict], Any],
+    policy: TensorDictModule,
+    td: TensorDict,
+    reference: TensorDictModule,
+) -> None:
+    """Raise ``Unsupported`` unless a grad-mode call of ``f`` (wrapping ``policy``) returns
+    an action that differentiates to ``policy``'s parameters as ``reference``'s eager one
+    does (the same weights): what a training forward needs of the wrapper."""
+    params, expected_params = list(policy.parameters()), list(reference.parameters())
+    with torch.enable_grad():
+        try:
+            got = torch.autograd.grad(f(td)["action"].sum(), params)
+        except Exception as err:
+            why = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+            raise Unsupported(f"no backward through a grad-mode call: {why}") from err
+        action = reference.module(td["observation"])
+        expected = torch.autograd.grad(action.sum(), expected_params)
+    for a, b in zip(got, expected, strict=True):
+        if not torch.allclose(a, b, rtol=1e-3, atol=1e-5):
+            raise Unsupported("the gradients of a grad-mode call differ from eager's")
+
+
+def policy_modes_in_turn(device: torch.device) -> Workload:
+    """The policy of (c), one wrapper called in turn under ``torch.no_grad()`` (collecting)
+    and in grad mode (a training forward; its backward not timed, as in "c, grad mode":
+    it would add the same backward replay to the turns and to the steady grad calls)."""
+    template = _policy(device)
+    # The collector's batch, and two training batches taken in turn (a replay buffer's
+    # samples): a call writes its action into its batch (in grad mode, an action that
+    # requires grad, which tensordict's class refuses in a batch it captures), so the capture
+    # call of each mode gets a batch of its own.
+    observations = [torch.randn(32, 17, device=device) for _ in range(3)]
+
+    def turns(modes: tuple[bool, ...]) -> list[tuple[bool, TensorDict]]:
+        """The (grad mode, batch) of the calls, in turn; a variant's own batches."""
+        tds = [TensorDict(observation=obs.clone(), batch_size=[32]) for obs in observations]
+        order = {(False,): [0], (True,): [1, 2], (False, True): [0, 1, 0, 2]}[modes]
+        return [(i > 0, tds[i]) for i in order]
+
+    def made(wrap: Callable[[TensorDictModule], Any]) -> Callable[[tuple[bool, ...]], Call]:
+        def make(modes: tuple[bool, ...]) -> Call:
+            policy = copy.deepcopy(template)
+            f, calls_in = wrap(policy), turns(modes)
+            calls = [_in_mode(f, td, grad) for grad, td in calls_in]
+            _warm(calls)
+            for grad, td in calls_in:
+                if grad:
+                    _check_gradients(f, policy, td, template)
+                    break
+            return _taking_turns(calls)
+
+        return make
+
+    def floor(policy: TensorDictModule) -> Callable[[TensorDict], TensorDict]:
+        # A graph per mode, by hand: a plain graph captured under no_grad, and torch's
+        # make_graphed_callables (forward and backward in an autograd node) for grad mode.
+        # In this order: torch's replaces the network's forward with its graphed one.
+        net, obs = policy.module, observations[0]
+        with torch.no_grad():
+            graph, static, out = _hand_graph(lambda s: net(s[0]), [obs])
+        graphed = _torch_graphed(net, (obs.clone(),))
+
+        def call(td: TensorDict) -> TensorDict:
+            if torch.is_grad_enabled():
+                td["action"] = graphed(td["observation"])
+                return td
+            torch._foreach_copy_(static, [td["observation"]])
+            graph.replay()
+            td["action"] = out.clone()
+            return td
+
+        return call
+
+    def ours(policy: TensorDictModule) -> Any:
+        return cudagraph_td.CudaGraphModule(policy, warmup=2)
+
+    w = Workload(
+        "g. policy, modes in turn",
+        "the policy of (c) (batch 32, a TensorDict), one wrapper called in turn under "
+        "`torch.no_grad()` and in grad mode (forward only); steady: one mode only",
+    )
+    tools: dict[str, Callable[[TensorDictModule], Any]] = {
+        "eager": lambda policy: policy,
+        "floor": floor,
+        "cudagraph_td": ours,
+        # One graph, captured in the mode of its capture call, replayed in both.
+        "tensordict": lambda policy: TDCudaGraphModule(policy, warmup=2),
+    }
+    if BASELINE is not None:
+        tools[BEFORE] = lambda policy: BASELINE.CudaGraphModule(policy, warmup=2)
+    for tool, wrap in tools.items():
+        _with_steady(w, tool, made(wrap), tuple(MODES), MODES.__getitem__)
+
+    def capture() -> Call:
+        f = ours(copy.deepcopy(template))
+        calls = [_in_mode(f, td, grad) for grad, td in turns(tuple(MODES))[:2]]
+        # Both modes per call: the runner's three calls warm up, capture and replay each.
+        return lambda: [call() for call in calls]
+
+    w.captures = {"cudagraph_td, both modes": capture}
+    return w
+
+
+# (h) ---------------------------------------------------------------------------------
+
+STEPS = (32, 48)
+
+
+class MemoryPolicy(nn.Module):
+    """A policy that attends over a memory of past steps: ``forward(obs, memory)``, with
+    ``obs`` of shape ``[batch, 17]`` and ``memory`` ``[batch, steps, 32]``, any steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query = nn.Sequential(nn.Linear(17, 256), nn.Tanh(), nn.Linear(256, 32))
+        self.head = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 6))
+
+    def forward(self, obs: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        query = self.query(obs)  # [batch, 32]
+        scores = (memory @ query.unsqueeze(-1)).squeeze(-1) * 32**-0.5  # [batch, steps]
+        context = (scores.softmax(-1).unsqueeze(1) @ memory).squeeze(1)  # [batch, 32]
+        return self.head(torch.cat([query, context], -1))
+
+
+def policy_memory_lengths(device: torch.device) -> Workload:
+    """A policy called with its second input's shape taking turns between two values."""
+    policy = MemoryPolicy().to(device)
+    obs = torch.randn(64, 17, device=device)
+    memories = {steps: torch.randn(64, steps, 32, device=device) for steps in STEPS}
+
+    def made(wrap: Callable[[tuple[int, ...]], Any]) -> Callable[[tuple[int, ...]], Call]:
+        def make(steps: tuple[int, ...]) -> Call:
+            f = wrap(steps)
+            calls = [lambda memory=memories[n]: f(obs, memory) for n in steps]
+            _warm(calls)
+            return _taking_turns(calls)
+
+        return make
+
+    def floor(steps: tuple[int, ...]) -> Callable[..., torch.Tensor]:
+        # A graph per memory length, by hand, captured largest first into one pool, as (f)'s
+        # floor; a call picks the graph by the length.
+        pool = torch.cuda.graph_pool_handle()
+        graphs = {}
+        for n in sorted(steps, reverse=True):
+            graph, static, out = _hand_graph(lambda s: policy(*s), [obs, memories[n]], pool=pool)
+            graphs[n] = (graph.replay, static, out)
+
+        def call(obs: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+            replay, static, out = graphs[memory.shape[1]]
+            torch._foreach_copy_(static, [obs, memory])
+            replay()
+            return out.clone()
+
+        return call
+
+    def ours(steps: tuple[int, ...]) -> Any:
+        return cudagraph_td.CudaGraphModule(policy, warmup=2, shapes="exact", max_graphs=64)
+
+    w = Workload(
+        "h. memory policy, lengths in turn",
+        "`policy(obs, memory)`: obs [64, 17] fixed, memory [64, L, 32] with L taking turns "
+        'between 32 and 48 (`shapes="exact"`); steady: one length only',
+        no_grad=True,
+    )
+    tools: dict[str, Callable[[tuple[int, ...]], Any]] = {
+        "eager": lambda steps: policy,
+        "floor": floor,
+        "cudagraph_td": ours,
+    }
+    if BASELINE is not None:
+        tools[BEFORE] = lambda steps: BASELINE.CudaGraphModule(
+            policy, warmup=2, shapes="exact", max_graphs=64
+        )
+    for tool, wrap in tools.items():
+        _with_steady(w, tool, made(wrap), STEPS, lambda n: f"length {n}")
+    # One graph of one shape: the other length raises. Timed if that ever changes.
+    w.variants["tensordict"] = lambda: made(lambda steps: TDCudaGraphModule(policy, warmup=2))(
+        STEPS
+    )
+
+    def capture() -> Call:
+        f = ours(STEPS)
+        # Both lengths per call: the runner's three calls warm up, capture and replay each.
+        return lambda: [f(obs, memories[n]) for n in STEPS]
+
+    w.captures = {"cudagraph_td, both lengths": capture}
+    return w
+
+
 def all_workloads(device: torch.device) -> list[Workload]:
     return [
         tiny_op(device),
@@ -518,5 +830,8 @@ def all_workloads(device: torch.device) -> list[Workload]:
         policy_grad(device),
         sac_update(device),
         forward_backward(device),
+        documented_loop(device),
         policy_random_batch(device),
+        policy_modes_in_turn(device),
+        policy_memory_lengths(device),
     ]
