@@ -118,6 +118,32 @@ def test_gradients_accumulate_as_in_eager(backend: Backend) -> None:
     assert all(g is p.grad for g, p in zip(grads, net.parameters(), strict=True))
 
 
+def test_gradients_taken_by_the_parameters_are_not_overwritten_by_the_next_backward(
+    backend: Backend,
+) -> None:
+    # torch's documented loop: zero_grad(set_to_none=True), so autograd hands each backward's
+    # gradients to the parameters as they are. They are fresh at each backward: a gradient
+    # kept from one step is not changed by the next.
+    net = _mlp(backend)
+    twin = copy.deepcopy(net)
+    graphed = backend.graph_callables(net, (backend.randn(8, 4),))
+    kept = []
+    for _ in range(3):
+        for model in (net, twin):
+            for p in model.parameters():
+                p.grad = None
+        x = backend.randn(8, 4)
+        graphed(x).pow(2).sum().backward()
+        twin(x).pow(2).sum().backward()
+        _assert_grads_equal(net, twin)
+        kept.append(
+            ([p.grad for p in net.parameters()], [p.grad.clone() for p in twin.parameters()])
+        )
+    for grads, expected in kept:
+        for g, e in zip(grads, expected, strict=True):
+            torch.testing.assert_close(g, e)
+
+
 def test_tensordict_module(backend: Backend) -> None:
     net = _mlp(backend)
     module = TensorDictModule(net, in_keys=["obs"], out_keys=["value"])

@@ -19,7 +19,7 @@ from . import _errors, _sharing, _tree
 from ._aliasing import WrittenInputs, versions, written
 from ._backend import Backend, CudaBackend, Graph
 from ._compat import foreach_copy_, graph_replay
-from ._outputs import Outputs
+from ._outputs import FreshCopies, Outputs
 from ._signature import Signature
 from ._state import State
 
@@ -92,8 +92,10 @@ class _GraphedFunction(torch.autograd.Function):
         if call.order is not None:  # the forward's stream, which another may have followed
             call.order.keep()
         call.replay_backward()
-        # Fresh memory: gradients accumulated over two backward passes must not alias.
-        fresh = [None if g is None else g.clone() for g in call.static_grad_inputs]
+        # Fresh memory: gradients accumulated over two backward passes must not alias. Made
+        # by one allocation and one multi-tensor copy where they are small (see `FreshCopies`).
+        made = iter(call.fresh_grads.make())
+        fresh = [None if g is None else next(made) for g in call.static_grad_inputs]
         return (None, None, *(None if slot < 0 else fresh[slot] for slot in call.grad_slots))
 
 
@@ -147,6 +149,9 @@ class DifferentiableCall:
         self.replay_backward = graph_replay(backward.graph)
         self.static_grad_outputs = backward.grad_outputs
         self.static_grad_inputs = backward.grad_inputs
+        computed = [g for g in backward.grad_inputs if g is not None]
+        device = computed[0].device if computed else torch.device("cpu")
+        self.fresh_grads = FreshCopies(computed, device)
         self.grad_slots = backward.grad_slots
         self.generation = 0  # the number of forwards replayed: a backward must be the last's
         self._graphs = (forward.graph, backward.graph)  # held for the life of the call
