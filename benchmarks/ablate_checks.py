@@ -23,7 +23,7 @@ from tensordict import TensorDict
 sys.path[:0] = ["benchmarks", "benchmarks/baseline"]
 import workloads  # noqa: E402
 
-from cudagraph_td import CudaGraphModule  # noqa: E402
+from cudagraph_td import Buckets, CudaGraphModule  # noqa: E402
 
 
 def main() -> None:
@@ -192,9 +192,7 @@ def buckets() -> None:
     device = torch.device("cuda")
     workload = workloads.policy_random_batch(device)
     calls = {name: workload.variants[name]() for name in ("floor", "cudagraph_td")}
-    graphed = CudaGraphModule(
-        workloads._policy(device), shapes="buckets", buckets=workloads.BUCKETS
-    )
+    graphed = CudaGraphModule(workloads._policy(device), shapes=Buckets(workloads.BUCKETS))
     td = TensorDict(observation=torch.randn(37, 17, device=device), batch_size=[37])
     with torch.no_grad():
         graphed.precapture(td)

@@ -104,9 +104,9 @@ def cudagraph_td_shared() -> list[Any]:
 
 @scenario
 def buckets_10() -> list[Any]:
-    from cudagraph_td import CudaGraphModule
+    from cudagraph_td import Buckets, CudaGraphModule
 
-    wrapper = CudaGraphModule(_policy(), warmup=2, shapes="buckets", buckets=BUCKETS)
+    wrapper = CudaGraphModule(_policy(), warmup=2, shapes=Buckets(BUCKETS))
     for batch in (5, 5, 300):
         wrapper(_td(batch))
     assert len(wrapper.graphs()) == len(BUCKETS), wrapper.graphs()
@@ -115,9 +115,9 @@ def buckets_10() -> list[Any]:
 
 @scenario
 def bucket_largest() -> list[Any]:
-    from cudagraph_td import CudaGraphModule
+    from cudagraph_td import Buckets, CudaGraphModule
 
-    wrapper = CudaGraphModule(_policy(), warmup=2, shapes="buckets", buckets=BUCKETS[-1:])
+    wrapper = CudaGraphModule(_policy(), warmup=2, shapes=Buckets(BUCKETS[-1:]))
     for batch in (5, 5, 300):
         wrapper(_td(batch))
     return [wrapper]

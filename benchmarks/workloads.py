@@ -555,12 +555,16 @@ def policy_random_batch(device: torch.device) -> Workload:
         return cycling(run)
 
     def buckets() -> Any:
-        graphed = cudagraph_td.CudaGraphModule(policy, warmup=2, shapes="buckets", buckets=BUCKETS)
+        graphed = cudagraph_td.CudaGraphModule(
+            policy, warmup=2, shapes=cudagraph_td.Buckets(BUCKETS)
+        )
         graphed.precapture(tds[0])
         return graphed
 
     def exact() -> Any:
-        return cudagraph_td.CudaGraphModule(policy, warmup=2, shapes="exact", max_graphs=64)
+        return cudagraph_td.CudaGraphModule(
+            policy, warmup=2, shapes=cudagraph_td.Exact(max_graphs=64)
+        )
 
     def compiled() -> Call:
         return cycling(_marking_steps(torch.compile(policy, mode="reduce-overhead")))
@@ -787,7 +791,9 @@ def policy_memory_lengths(device: torch.device) -> Workload:
         return call
 
     def ours(steps: tuple[int, ...]) -> Any:
-        return cudagraph_td.CudaGraphModule(policy, warmup=2, shapes="exact", max_graphs=64)
+        return cudagraph_td.CudaGraphModule(
+            policy, warmup=2, shapes=cudagraph_td.Exact(max_graphs=64)
+        )
 
     w = Workload(
         "h. memory policy, lengths in turn",

@@ -175,10 +175,8 @@ class Shapes(Actor):
     def __init__(self, rng: random.Random, shapes: str):
         self.kind = shapes
         self.net = mlp(rng)
-        options: dict[str, Any] = {"shapes": shapes}
-        if shapes == "buckets":
-            options["buckets"] = [4, 16, 64]
-        self.graphed = cudagraph_td.CudaGraphModule(self.net, warmup=2, **options)
+        value = cudagraph_td.Buckets([4, 16, 64]) if shapes == "buckets" else cudagraph_td.Exact()
+        self.graphed = cudagraph_td.CudaGraphModule(self.net, warmup=2, shapes=value)
 
     def step(self, rng: random.Random) -> None:
         x = torch.randn(rng.randint(1, 64), 17, device=DEV)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from cudagraph_td import CudaGraphModule, capturable_on_cpu, capture_stream
+from cudagraph_td import Buckets, CudaGraphModule, capturable_on_cpu, capture_stream
 
 CUDA = torch.cuda.is_available()
 BACKEND = "cuda" if CUDA else "emulate"
@@ -133,9 +133,7 @@ def buckets_above(rank: int, device: torch.device) -> None:
     graphed = CudaGraphModule(
         lambda x: ddp(x),
         warmup=12,
-        shapes="buckets",
-        buckets=[4, 8],
-        overflow="raise",
+        shapes=Buckets([4, 8], overflow="raise"),
         backend=BACKEND,
     )
     expected = (

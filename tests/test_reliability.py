@@ -16,7 +16,7 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
 
-from cudagraph_td import CudaGraphModule, RecaptureWarning
+from cudagraph_td import Buckets, CudaGraphModule, Exact, RecaptureWarning
 
 from .conftest import Backend, current_runner, record, requires_cuda, run_threads
 
@@ -210,7 +210,7 @@ def test_a_call_on_a_side_stream_is_ordered_against_its_inputs_and_outputs() -> 
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"shapes": "exact"}, {"shapes": "buckets", "buckets": [8]}],
+    [{}, {"shapes": Exact()}, {"shapes": Buckets([8])}],
     ids=["static", "exact", "buckets"],
 )
 def test_a_graph_captured_again_frees_the_old_one(backend: Backend, options: Any) -> None:

@@ -14,14 +14,14 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
 
-from cudagraph_td import CudaGraphModule, GraphLimitWarning, InputMismatchError
+from cudagraph_td import Buckets, Exact, GraphLimitWarning, InputMismatchError
 
 from .conftest import Backend, counting, regression_step
 
 MODES = [
-    pytest.param({"shapes": "exact", "max_graphs": 128}, id="exact"),
-    pytest.param({"shapes": "buckets"}, id="buckets"),
-    pytest.param({"shapes": "buckets", "buckets": [8, 16, 32, 48, 64]}, id="listed-buckets"),
+    pytest.param(Exact(max_graphs=128), id="exact"),
+    pytest.param(Buckets(), id="buckets"),
+    pytest.param(Buckets([8, 16, 32, 48, 64]), id="listed-buckets"),
 ]
 
 
@@ -35,12 +35,12 @@ def _td(backend: Backend, n: int) -> TensorDict:
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("options", MODES)
+@pytest.mark.parametrize("shapes", MODES)
 def test_policy_called_with_batch_sizes_1_to_64_in_random_order_equals_eager(
-    backend: Backend, options: dict[str, Any]
+    backend: Backend, shapes: Exact | Buckets
 ) -> None:
     policy, net = _policy(backend)
-    graphed = backend.wrap(policy, warmup=2, **options)
+    graphed = backend.wrap(policy, warmup=2, shapes=shapes)
     sizes = list(range(1, 65)) * 3
     random.Random(0).shuffle(sizes)
     kept = []
@@ -59,9 +59,9 @@ def test_policy_called_with_batch_sizes_1_to_64_in_random_order_equals_eager(
     assert all(info.captured for info in infos)
     # Each graph replays from its third call (warmup=2); a bucket's, for every batch it serves.
     assert sum(info.replays for info in infos) >= 128
-    if options["shapes"] == "buckets":
+    if isinstance(shapes, Buckets):
         keys = sorted(info.key for info in infos)
-        expected_keys = [(8,), (16,), (32,), (48,), (64,)] if "buckets" in options else None
+        expected_keys = [(8,), (16,), (32,), (48,), (64,)] if shapes.sizes else None
         assert keys == (expected_keys or [(1 << k,) for k in range(7)])
         assert all(0 <= info.padded < 1 for info in infos)
         assert any(info.padded > 0 for info in infos)
@@ -70,7 +70,7 @@ def test_policy_called_with_batch_sizes_1_to_64_in_random_order_equals_eager(
 @torch.no_grad()
 def test_buckets_replay_smaller_batches_through_the_bucket_graph(backend: Backend) -> None:
     fn = counting(lambda x: {"y": x.tanh() * 2})
-    graphed = backend.wrap(fn, warmup=2, shapes="buckets", buckets=[16])
+    graphed = backend.wrap(fn, warmup=2, shapes=Buckets([16]))
     for n in (5, 16, 3, 11, 11, 1):
         x = backend.randn(n, 3)
         out = graphed(x)
@@ -93,7 +93,7 @@ def test_exact_captures_a_graph_per_shape_with_its_own_warmup(backend: Backend) 
     infos = {info.key: info for info in graphed.graphs()}
     assert set(infos) == {((2, 3), (3, 5)), ((4, 3), (3, 5))}
     assert infos[((2, 3), (3, 5))].replays == 2 and infos[((4, 3), (3, 5))].replays == 1
-    assert "2 of 2 graphs captured" in repr(graphed) and "shapes='exact'" in repr(graphed)
+    assert "2 of 2 graphs captured" in repr(graphed) and "shapes=Exact()" in repr(graphed)
 
 
 def _agent(backend: Backend) -> tuple[Any, nn.Module, Any]:
@@ -144,7 +144,7 @@ def test_padding_is_refused_for_a_training_step(backend: Backend) -> None:
 def test_row_independent_pads_in_grad_mode_with_eager_gradients(backend: Backend) -> None:
     _, net = _policy(backend)
     twin = copy.deepcopy(net)
-    graphed = backend.wrap(net, warmup=2, shapes="buckets", row_independent=True)
+    graphed = backend.wrap(net, warmup=2, shapes=Buckets(row_independent=True))
     for n in (5, 7, 3, 8, 6):
         x = backend.randn(n, 4, requires_grad=True)
         x_twin = x.detach().clone().requires_grad_()
@@ -196,7 +196,7 @@ def test_only_shapes_vary_other_differences_still_raise(backend: Backend, shapes
 @torch.no_grad()
 def test_past_max_graphs_a_warning_then_eager_calls(backend: Backend) -> None:
     fn = counting(lambda x: x + 1)
-    graphed = backend.wrap(fn, warmup=1, shapes="exact", max_graphs=2)
+    graphed = backend.wrap(fn, warmup=1, shapes=Exact(max_graphs=2))
     graphed(backend.randn(1))
     graphed(backend.randn(2))
     with pytest.warns(GraphLimitWarning, match=re.escape("reached max_graphs=2")):
@@ -207,7 +207,7 @@ def test_past_max_graphs_a_warning_then_eager_calls(backend: Backend) -> None:
         x = backend.randn(4)
         torch.testing.assert_close(graphed(x), x + 1)
     assert len(graphed.graphs()) == 2
-    strict = backend.wrap(fn, warmup=1, shapes="exact", max_graphs=1, overflow="raise")
+    strict = backend.wrap(fn, warmup=1, shapes=Exact(max_graphs=1, overflow="raise"))
     strict(backend.randn(1))
     with pytest.raises(RuntimeError, match=re.escape("reached max_graphs=1")):
         strict(backend.randn(2))
@@ -215,12 +215,10 @@ def test_past_max_graphs_a_warning_then_eager_calls(backend: Backend) -> None:
 
 @torch.no_grad()
 def test_above_the_largest_bucket_eager_or_an_error(backend: Backend) -> None:
-    graphed = backend.wrap(lambda x: x * 3, warmup=1, shapes="buckets", buckets=[4, 8])
+    graphed = backend.wrap(lambda x: x * 3, warmup=1, shapes=Buckets([4, 8]))
     x = backend.randn(9, 2)
     torch.testing.assert_close(graphed(x), x * 3)
-    strict = backend.wrap(
-        lambda x: x * 3, warmup=1, shapes="buckets", buckets=[4, 8], overflow="raise"
-    )
+    strict = backend.wrap(lambda x: x * 3, warmup=1, shapes=Buckets([4, 8], overflow="raise"))
     with pytest.raises(RuntimeError, match=re.escape("batch dims [9], above its largest bucket 8")):
         strict(x)
 
@@ -228,7 +226,7 @@ def test_above_the_largest_bucket_eager_or_an_error(backend: Backend) -> None:
 @torch.no_grad()
 def test_precapture_captures_every_bucket_largest_first(backend: Backend) -> None:
     policy, net = _policy(backend)
-    graphed = backend.wrap(policy, warmup=3, shapes="buckets", buckets=[2, 8, 32])
+    graphed = backend.wrap(policy, warmup=3, shapes=Buckets([2, 8, 32]))
     graphed.precapture(_td(backend, 5))
     assert [info.key for info in graphed.graphs()] == [(32,), (8,), (2,)]
     assert all(info.captured and info.replays == 0 for info in graphed.graphs())
@@ -245,26 +243,6 @@ def test_verify_checks_the_first_replay_of_each_new_graph(backend: Backend) -> N
     for n in (2, 2, 2, 3, 3, 3, 2):
         graphed(backend.randn(n))
     assert graphed._verifier is not None and graphed._verifier.done == 2
-
-
-@pytest.mark.parametrize(
-    ("options", "message"),
-    [
-        (
-            {"shapes": "dynamic"},
-            "`shapes` must be one of 'static', 'exact', 'buckets', got 'dynamic'.",
-        ),
-        ({"shapes": "buckets", "buckets": [0, 4]}, "`buckets` must be a list of positive integers"),
-        ({"buckets": [4]}, "but shapes='static'. Pass shapes=\"buckets\" with it"),
-        ({"max_graphs": 0}, "`max_graphs` must be an integer greater than 0, got 0."),
-        ({"batch_dims": 0}, "`batch_dims` must be an integer greater than 0, got 0."),
-        ({"overflow": "drop"}, "`overflow` must be one of 'eager', 'raise', got 'drop'."),
-    ],
-    ids=["shapes", "buckets", "buckets-without-mode", "max_graphs", "batch_dims", "overflow"],
-)
-def test_invalid_options(options: dict[str, Any], message: str) -> None:
-    with pytest.raises(ValueError, match=re.escape(message)):
-        CudaGraphModule(lambda x: x, backend="emulate", **options)
 
 
 def test_exact_in_grad_mode_keeps_each_shapes_saved_tensors(backend: Backend) -> None:
@@ -309,7 +287,7 @@ def test_two_batch_dims_and_nested_tensordicts_are_padded_and_sliced(backend: Ba
     def fn(td: TensorDict) -> TensorDict:
         return TensorDict(out=td["obs"].tanh() + td["next", "obs"], batch_size=td.batch_size)
 
-    graphed = backend.wrap(fn, warmup=1, shapes="buckets", batch_dims=2)
+    graphed = backend.wrap(fn, warmup=1, shapes=Buckets(batch_dims=2))
     for n, t in [(3, 5), (3, 5), (2, 7), (4, 8), (1, 1)]:
         td = TensorDict(
             obs=backend.randn(n, t, 2),
@@ -358,7 +336,7 @@ def test_a_function_whose_rows_depend_on_each_other_is_refused_at_its_first_padd
     backend: Backend, case: str, buckets: list[int] | None
 ) -> None:
     fn = ROW_DEPENDENT[case]
-    graphed = backend.wrap(fn, warmup=2, shapes="buckets", buckets=buckets)
+    graphed = backend.wrap(fn, warmup=2, shapes=Buckets(buckets))
     message = "the rows of output that the call keeps changed when only the padded rows did"
     with torch.no_grad():
         x = backend.randn(8, 3)  # below the first listed bucket's warm-up (16): padded
@@ -383,7 +361,7 @@ def test_a_row_independent_function_passes_the_check_once_per_bucket(backend: Ba
     # recording); bucket 4: the check's two runs and a warm-up.
     assert noisy.calls == 5 + 3
     declared = counting(net)
-    graphed = backend.wrap(declared, warmup=2, shapes="buckets", row_independent=True)
+    graphed = backend.wrap(declared, warmup=2, shapes=Buckets(row_independent=True))
     with torch.no_grad():
         for n in (5, 6, 7):
             x = backend.randn(n, 3)
@@ -398,7 +376,7 @@ def test_batchnorm_in_training_mode_is_refused_for_padding_and_its_statistics_ke
     # with the padded rows.
     norm = nn.BatchNorm1d(4).to(backend.device)
     twin = copy.deepcopy(norm)
-    graphed = backend.wrap(norm, warmup=2, shapes="buckets", buckets=[8])
+    graphed = backend.wrap(norm, warmup=2, shapes=Buckets([8]))
     with torch.no_grad():
         for _ in range(3):  # a full bucket: no padding, eager's statistics
             x = backend.randn(8, 4)

@@ -12,7 +12,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from cudagraph_td import GraphLimitWarning
+from cudagraph_td import GraphLimitWarning, Static
 
 from .conftest import Backend
 
@@ -125,7 +125,7 @@ def test_values_past_max_graphs_run_eagerly_after_a_warning_or_raise(backend: Ba
         calls.append(power)
         return fn(x, power)
 
-    graphed = backend.wrap(counted, warmup=1, static=(1,), max_graphs=2)
+    graphed = backend.wrap(counted, warmup=1, static=(1,), shapes=Static(max_graphs=2))
     x = backend.randn(3)
     for power in (1, 2):
         graphed(x, power)
@@ -139,7 +139,7 @@ def test_values_past_max_graphs_run_eagerly_after_a_warning_or_raise(backend: Ba
         torch.testing.assert_close(graphed(x, 3), x**3)
         torch.testing.assert_close(graphed(x, 2), x**2)
     assert calls == [3]  # the third value ran eagerly; the second replayed its graph
-    strict = backend.wrap(fn, warmup=1, static=(1,), max_graphs=1, overflow="raise")
+    strict = backend.wrap(fn, warmup=1, static=(1,), shapes=Static(max_graphs=1, overflow="raise"))
     strict(x, 1)
     with pytest.raises(RuntimeError, match="reached max_graphs=1"):
         strict(x, 2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ._errors import InputMismatchError
@@ -21,7 +22,7 @@ def no_batch_dims(name: str, path: str, shape: Any, batch_dims: int) -> InputMis
     return InputMismatchError(
         f'{name}(shapes="buckets") pads the {batch_dims} leading batch dim(s) of every input '
         f"tensor, but {path} has {received}. Pass values without batch dims as constants "
-        f'(not tensors), set batch_dims=, or use shapes="exact". {_SHARP_EDGES}',
+        f'(not tensors), set Buckets(batch_dims=...), or use shapes="exact". {_SHARP_EDGES}',
         path=path,
         captured=batch_dims,
         received=shape,
@@ -54,8 +55,8 @@ def padding_refused(name: str, why: str) -> RuntimeError:
     return RuntimeError(
         f'{name}(shapes="buckets") does not pad {why}: padded rows would take part in the '
         'gradients or the loss. Use shapes="exact" (one graph per batch size), or pass '
-        "row_independent=True if every output row depends on its own input row only and "
-        f"the function computes no loss over the batch. {_SHARP_EDGES}"
+        "shapes=Buckets(..., row_independent=True) if every output row depends on its own "
+        f"input row only and the function computes no loss over the batch. {_SHARP_EDGES}"
     )
 
 
@@ -66,9 +67,9 @@ def above_buckets(name: str, batch: Any, buckets: Any, elsewhere: bool = False) 
         else f"received batch dims {list(batch)}, above"
     )
     return RuntimeError(
-        f"{name} {where} its largest bucket {max(buckets)} (buckets={list(buckets)}), and "
-        "overflow='raise'. Add a larger bucket, or pass overflow='eager' to run such calls "
-        "eagerly (on every rank)."
+        f"{name} {where} its largest bucket {max(buckets)} (sizes {list(buckets)}), with "
+        "overflow='raise'. Add a larger size to Buckets, or pass Buckets(..., "
+        "overflow='eager') to run such calls eagerly (on every rank)."
     )
 
 
@@ -78,8 +79,8 @@ def padding_moves_state(name: str, paths: list[str]) -> RuntimeError:
         f'{name}(shapes="buckets") does not pad a call of a function that updates the state '
         f"it reads in place ({shown}; put back as it was): the padded rows would move it, "
         "as a BatchNorm's running statistics in training mode. Call it in eval mode, use "
-        'shapes="exact" (one graph per batch size), or pass row_independent=True if the '
-        f"update does not depend on the rows. {_SHARP_EDGES}"
+        'shapes="exact" (one graph per batch size), or pass shapes=Buckets(..., '
+        f"row_independent=True) if the update does not depend on the rows. {_SHARP_EDGES}"
     )
 
 
@@ -99,21 +100,54 @@ def too_many_graphs(
     """``what``: ``"Shapes"`` (graphs per shape) or ``"Static values"`` (per static value)."""
     action = "run eagerly" if overflow == "eager" else "raise this error"
     fix = (
-        'use shapes="buckets" to pad batch sizes to a few graphs'
+        "use shapes=Buckets() to pad batch sizes to a few graphs"
         if what == "Shapes"
         else "pass the argument that takes many values as a tensor"
     )
     return (
         f"{name} reached max_graphs={max_graphs}: calls that need another graph {action}. "
-        f"{what} with a graph: {'; '.join(map(str, seen))}. Raise max_graphs=, or "
-        f"{fix}. {_SHARP_EDGES}"
+        f"{what} with a graph: {'; '.join(map(str, seen))}. Raise max_graphs (a field of the "
+        f"shapes= value: Static, Exact or Buckets), or {fix}. {_SHARP_EDGES}"
     )
 
 
-def buckets_without_mode(shapes: str) -> ValueError:
+def buckets_without_mode(shapes: str, sizes: Any) -> ValueError:
+    sizes = list(sizes) if isinstance(sizes, list | tuple) else sizes
     return ValueError(
-        f'`buckets=` is the list of batch sizes of shapes="buckets", but shapes={shapes!r}. '
-        'Pass shapes="buckets" with it, or leave buckets= unset.'
+        f"`buckets=` is the list of batch sizes of shapes='buckets', but shapes={shapes!r}. "
+        f"Pass `shapes=Buckets({sizes!r})` (from cudagraph_td) instead of both."
+    )
+
+
+def deprecated_keywords(name: str, keywords: list[str], value: Any, dropped: list[str]) -> str:
+    """The warning for the keywords that ``shapes=`` values replace: ``value`` is the call's
+    options as one value; ``dropped``, keywords that had no effect without buckets."""
+    shown = ", ".join(f"{keyword}=" for keyword in keywords)
+    note = ""
+    if dropped:
+        note = (
+            f" ({', '.join(f'{keyword}=' for keyword in dropped)} had no effect without "
+            "buckets: left out)"
+        )
+    return (
+        f"{name}({shown}) is deprecated and will be removed in the next release: the shape "
+        f"options are one value now. Pass `shapes={value!r}` instead (from cudagraph_td)"
+        f"{note}."
+    )
+
+
+def keywords_beside_value(name: str, value: Any, keywords: list[str], merged: Any) -> TypeError:
+    """Deprecated keywords beside a ``shapes=`` value; ``merged``: the value with their
+    options, or None where it has no such fields or they are not valid."""
+    shown = ", ".join(f"`{keyword}=`" for keyword in keywords)
+    if merged is not None:
+        fix = f"Pass `shapes={merged!r}` alone."
+    else:
+        fields = ", ".join(field.name for field in dataclasses.fields(value))
+        fix = f"`{type(value).__name__}` takes {fields}: pass them as its fields."
+    return TypeError(
+        f"{name} got `shapes={value!r}` beside the deprecated keyword(s) {shown}: the shape "
+        f"options are the fields of the shapes= value now. {fix}"
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import tensordict.nn
 import torch
@@ -17,6 +17,7 @@ from . import (
     _errors_shapes,
     _graph,
     _modes,
+    _shape_options,
     _shapes,
     _sharing,
     _static,
@@ -28,8 +29,14 @@ from ._buckets import BucketGraphs
 from ._compat import raw_stream
 from ._modes import Mode
 from ._replay import MISS
+from ._shape_options import Buckets, Exact, Static
 from ._shapes import GraphInfo, Overflow
 from ._table import GraphTable
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ._shape_options import DeprecatedOptions
 
 Graphs = _shapes.Graphs
 
@@ -67,8 +74,9 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
 
     The wrapper keeps graphs per mode that changes what the function computes (grad mode,
     a module's training mode, tensordict's interaction type, the autocast state), per device
-    (see ``device``), per value of the arguments declared ``static`` and, with ``shapes=``,
-    per input shape (see "Several shapes" in the docs' Sharp edges page). In grad mode, when the captured outputs require grad, the
+    (see ``device``), per value of the arguments declared ``static`` and, with
+    ``shapes=Exact()`` or ``shapes=Buckets()``, per input shape (see "Several shapes" in the
+    docs' Sharp edges page). In grad mode, when the captured outputs require grad, the
     forward and its backward are captured inside one autograd node (see
     ``make_graphed_callables``), so ``loss.backward()`` replays the backward graph; under
     ``torch.no_grad()`` a plain graph. Without CUDA (and with ``backend="auto"``), the
@@ -106,30 +114,30 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             A debugging aid: a verified replay synchronises the host and costs an eager
             call more. It cannot check a training step, nor a function that draws random
             numbers. Counted per graph. Defaults to 0.
-        shapes: ``"static"``: one graph (per mode); a call of other shapes raises.
-            ``"exact"``: a graph per input shapes, captured on first sight, each with its
-            own warm-up. ``"buckets"``: the batch dims of the inputs are padded to the next
-            bucket size, whose graph replays; outputs are sliced back. For functions whose
-            output rows depend on their own input row only; refused in grad mode unless
-            ``row_independent=True``.
-        buckets: The batch sizes of ``shapes="buckets"``; the first capture captures them
-            all, largest first. Defaults to powers of two, each captured on first sight.
-        max_graphs: The most graphs captured on first sight per mode; past it, a
-            ``GraphLimitWarning``, then ``overflow``.
-        batch_dims: The number of leading dims of every input that ``"buckets"`` pads.
-        overflow: What a call gets past ``max_graphs`` or above the largest bucket:
-            ``"eager"`` (the function, run eagerly) or ``"raise"`` (a ``RuntimeError``).
-        row_independent: Declares that each output row depends only on its input row and
-            that the function computes no loss over the batch: ``"buckets"`` then pads in
-            grad mode and training steps too.
+        shapes: How a wrapper answers calls of other input shapes, as one value:
+            ``Static()`` (the default): one graph per mode, and a call of other shapes
+            raises; ``Exact()``: a graph per input shapes, captured on first sight, each
+            with its own warm-up; ``Buckets([8, 16, 64])``: the batch dims of the inputs
+            are padded to the next bucket size, whose graph replays, and outputs are sliced
+            back (for functions whose output rows depend on their own input row only).
+            Their fields hold the limits (``max_graphs``, ``overflow``) and the buckets'
+            options (``batch_dims``, ``row_independent``). The strings ``"static"``,
+            ``"exact"`` and ``"buckets"`` stand for the values with default fields.
         static: Arguments whose value picks a graph: positions (``int``) and names
             (``str``) of non-tensor arguments, such as a bool that selects a branch
             (``static=("update_actor",)``). Each value's graph warms up and is captured on
-            first sight; past ``max_graphs`` values (per mode), ``overflow``. Other
-            non-tensor arguments must keep their captured value.
+            first sight; past ``max_graphs`` values (per mode, a field of ``shapes``), its
+            ``overflow``. Other non-tensor arguments must keep their captured value.
+        **deprecated: ``buckets=``, ``max_graphs=``, ``batch_dims=``, ``overflow=`` and
+            ``row_independent=``, the shape options before ``shapes=`` took one value:
+            still accepted, folded into ``shapes`` with a ``FutureWarning`` that gives the
+            new spelling (``shapes="buckets", buckets=[8, 16]`` is
+            ``shapes=Buckets([8, 16])``). To be removed in the next release.
 
     Raises:
         ValueError: An option has no valid value.
+        TypeError: A keyword that the constructor does not take, or a deprecated shape
+            keyword beside a ``shapes=`` value.
         RuntimeError: ``backend="cuda"`` on a machine without CUDA.
 
     Examples:
@@ -170,23 +178,17 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         capture_error_mode: str = "global",
         backend: Literal["auto", "cuda", "emulate"] = "auto",
         verify: int = 0,
-        shapes: Literal["static", "exact", "buckets"] = "static",
-        buckets: list[int] | None = None,
-        max_graphs: int = 8,
-        batch_dims: int = 1,
-        overflow: Literal["eager", "raise"] = "eager",
-        row_independent: bool = False,
+        shapes: Static | Exact | Buckets | Literal["static", "exact", "buckets"] = "static",
         static: tuple[int | str, ...] | int | str = (),
+        **deprecated: Unpack[DeprecatedOptions],
     ):
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise _errors.invalid_option("warmup", warmup, "an integer greater than 0")
         if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
             raise _errors.invalid_option("verify", verify, "an integer of 0 or more")
         check_options(backend, capture_error_mode)
-        options = _shapes.shape_options(
-            shapes, buckets, max_graphs, batch_dims, overflow, row_independent
-        )
         name = self._name = type(self).__name__
+        self._shape_value, options = _shape_options.resolve(name, shapes, deprecated)
         if backend == "cuda" and not torch.cuda.is_available():
             raise _errors.no_cuda(name)
         mode, self._shapes = _distributed.checked(name, module, warmup, capture_error_mode, options)
@@ -362,9 +364,9 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         return graphs is not None and graphs.captured_any()
 
     def graphs(self) -> list[GraphInfo]:
-        """The wrapper's graphs: each one's mode, key (None for ``shapes="static"``, the
-        structure and input shapes for ``"exact"``, the batch dims for ``"buckets"``), whether
-        it is captured, its replays, and the fraction of the rows replayed that were padding."""
+        """The wrapper's graphs: each one's mode, key (None for ``Static``, the structure and
+        input shapes for ``Exact``, the batch dims for ``Buckets``), whether it is captured,
+        its replays, and the fraction of the rows replayed that were padding."""
         with self._lock:
             return [
                 info
@@ -383,7 +385,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         """Warm up and capture the graphs of calls like ``(*args, **kwargs)`` now, in the
         current mode, rather than at the first calls.
 
-        With ``shapes="buckets"``, every listed bucket (or every power of two up to the
+        With ``shapes=Buckets(...)``, every listed size (or every power of two up to the
         example's batch) is captured, largest first, so that the smaller graphs reuse its
         memory. The example runs as calls do (``warmup`` times): do not precapture a training
         step with data it must not train on.
@@ -439,6 +441,8 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             "out_keys": self.out_keys,
             "backend": repr(self._backend_name),
         }
-        fields.update(_shapes.shown_options(self._shapes), state=state)
+        if self._shape_value != Static():  # the default
+            fields["shapes"] = repr(self._shape_value)
+        fields["state"] = state
         body = ",\n".join(f"    {key}={value}" for key, value in fields.items())
         return f"{type(self).__name__}(\n{body}\n)"

@@ -5,11 +5,11 @@ rows ``:n`` are right only if each depends on its own input row alone. A mean, a
 normalisation over the batch, or a module that updates state from the batch (a
 ``BatchNorm``'s running statistics in training mode), gives silently wrong rows, or moves
 state with the padding. So, the first time a bucket pads a call (unless the user declared
-``row_independent=True``), `check_rows` runs the function eagerly twice on that call padded
-to the bucket: with the padding of a replay, then with other values in the padded rows,
-each from the same random state. The real rows of the two results must agree; the state
-the function reaches must not move (else it is put back). Slow path only, once per bucket:
-two eager calls and a comparison on the host; the replay path pays nothing.
+``Buckets(row_independent=True)``), `check_rows` runs the function eagerly twice on that
+call padded to the bucket: with the padding of a replay, then with other values in the
+padded rows, each from the same random state. The real rows of the two results must agree;
+the state the function reaches must not move (else it is put back). Slow path only, once per
+bucket: two eager calls and a comparison on the host; the replay path pays nothing.
 """
 
 from __future__ import annotations

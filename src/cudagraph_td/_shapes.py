@@ -19,15 +19,15 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _errors, _errors_shapes, _replay, _tree
+from . import _errors_shapes, _replay, _tree
 from ._graph import GraphRunner, capture_turn
 from ._replay import Captured, ReplayPath
 
-SHAPES = ("static", "exact", "buckets")
-OVERFLOW = ("eager", "raise")
-
 
 class ShapeOptions(NamedTuple):
+    """The shape options of a wrapper as the library reads them (users write a ``Static``,
+    ``Exact`` or ``Buckets``: see `_shape_options`)."""
+
     shapes: str = "static"
     buckets: tuple[int, ...] | None = None
     max_graphs: int = 8
@@ -36,47 +36,6 @@ class ShapeOptions(NamedTuple):
     row_independent: bool = False
     # The ranks' agreement on each call's graph, for a DDP step (`_distributed.Agreement`).
     agreement: Any = None
-
-
-def shape_options(
-    shapes: str,
-    buckets: Any,
-    max_graphs: int,
-    batch_dims: int,
-    overflow: str,
-    row_independent: bool,
-) -> ShapeOptions:
-    """The options of ``shapes=``, checked.
-
-    Raises:
-        ValueError: An option has no valid value, or ``buckets`` without ``shapes="buckets"``.
-    """
-    for option, value, valid in (("shapes", shapes, SHAPES), ("overflow", overflow, OVERFLOW)):
-        if value not in valid:
-            raise _errors.invalid_option(option, value, valid)
-    for option, number in (("max_graphs", max_graphs), ("batch_dims", batch_dims)):
-        if isinstance(number, bool) or not isinstance(number, int) or number < 1:
-            raise _errors.invalid_option(option, number, "an integer greater than 0")
-    if not isinstance(row_independent, bool):
-        raise _errors.invalid_option("row_independent", row_independent, "True or False")
-    if buckets is not None:
-        if shapes != "buckets":
-            raise _errors_shapes.buckets_without_mode(shapes)
-        sizes = list(buckets) if isinstance(buckets, list | tuple) else [None]
-        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
-            raise _errors.invalid_option("buckets", buckets, "a list of positive integers")
-        buckets = tuple(sorted(set(sizes)))
-    return ShapeOptions(shapes, buckets, max_graphs, batch_dims, overflow, row_independent)
-
-
-def shown_options(options: ShapeOptions) -> dict[str, Any]:
-    """The shape options that a wrapper's ``repr`` shows: none for ``shapes="static"``."""
-    if options.shapes == "static":
-        return {}
-    shown: dict[str, Any] = {"shapes": repr(options.shapes)}
-    if options.buckets:
-        shown["buckets"] = list(options.buckets)
-    return shown
 
 
 class GraphInfo(NamedTuple):
