@@ -311,7 +311,7 @@ class ReplayPath:
         self._static_inputs: list[torch.Tensor] | None = bare[0] if bare else None
         self._static_output: torch.Tensor | None = bare[1] if bare else None
         self._bare_replay: Callable[[], None] | None = bare[2] if bare else None
-        self._launch = captured.launch
+        self._captured = captured  # its launch replays the graph
 
     def alive(self) -> bool:
         """Whether the graph it replays is still its runner's (not captured again since)."""
@@ -340,7 +340,7 @@ class ReplayPath:
             bare_replay()
             fresh: Sequence[torch.Tensor] = (self._static_output.clone(),)  # type: ignore[union-attr]
         else:
-            fresh = self._launch(tensors)
+            fresh = self._captured.launch(tensors)
         return fresh[0] if write is None else write(args, fresh)
 
 
