@@ -162,13 +162,14 @@ CPU build, where no wrapper replays a CUDA graph; if gone: none (a CUDA replay f
 
 
 def end_allocate_to_pool(device: torch.device, pool: Any) -> None:
-    """Stop routing the allocations of a failed capture's stream to its pool.
+    """End the allocator's record of a failed capture into ``pool`` on ``device``.
 
-    ``CUDAGraph.capture_end`` does this after ending the capture; when ending it fails (the
-    function broke the capture), torch raises first and the allocator keeps routing that
-    stream's allocations into the pool, and refuses the next capture into it.
-    ``torch._C._cuda_endAllocateToPool``: no public function does it. Checked (CUDA builds);
-    if gone: nothing is done (a capture after a failed one may be refused).
+    ``CUDAGraph.capture_end`` ends it after ending the capture; when ending the capture
+    fails (the function broke it), torch raises first and the allocator keeps the pool
+    among the captures under way (the pool itself still refuses another capture, torch
+    2.11: see `_backend.SharedPool`). ``torch._C._cuda_endAllocateToPool``: no public
+    function does it. Checked (CUDA builds; a test on the GPU says whether torch still
+    leaves it); if gone: nothing is done.
     """
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
     if end is not None:
