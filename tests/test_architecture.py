@@ -60,3 +60,125 @@ def test_public_docstrings_read_as_plain_text(name: str) -> None:
         == []
     )
     assert "Example:\n" not in text
+
+
+_UPSTREAM = ("torch", "tensordict")
+# Python's own underscored API: named tuples' methods, `sys._getframe`.
+_PYTHON_PRIVATE = {"_replace", "_asdict", "_fields", "_make", "_getframe"}
+_ATTRIBUTE_CALLS = {"getattr", "setattr", "hasattr", "delattr", "attrgetter", "methodcaller"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _own_names(paths: list[pathlib.Path]) -> tuple[set[str], set[str]]:
+    """The package's own private attribute names (assigned to ``self`` or ``cls``, defined
+    in a class), and its own modules and classes, whose private names it may use."""
+    attributes, owners = set(), {p.stem for p in paths}
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                owners.add(node.name)
+                for stmt in node.body:
+                    if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef):
+                        attributes.add(stmt.name)
+                    for target in getattr(stmt, "targets", [getattr(stmt, "target", None)]):
+                        if isinstance(target, ast.Name):
+                            attributes.add(target.id)
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
+            ):
+                attributes.add(node.attr)
+    return attributes, owners
+
+
+def private_uses(source: str, attributes: set[str], owners: set[str]) -> list[str]:
+    """The private torch or tensordict names that ``source`` uses, as ``line: code``.
+
+    A private name is one that starts with ``_`` (not a dunder): imported from torch or
+    tensordict (or a module of theirs that is private), or read as an attribute of anything
+    but the package's own objects (``self`` or ``cls`` for an attribute the package defines,
+    one of its modules or classes), also through ``getattr`` or ``operator.attrgetter``.
+    """
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.split(".")[0] in _UPSTREAM]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] in _UPSTREAM:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Attribute) and _private(node.attr):
+            receiver = node.value.id if isinstance(node.value, ast.Name) else None
+            own = (receiver in ("self", "cls") and node.attr in attributes) or receiver in owners
+            if not own and node.attr not in _PYTHON_PRIVATE:
+                names = [node.attr]
+        elif isinstance(node, ast.Call):
+            function = node.func.attr if isinstance(node.func, ast.Attribute) else None
+            function = node.func.id if isinstance(node.func, ast.Name) else function
+            if function in _ATTRIBUTE_CALLS:
+                names = [
+                    arg.value
+                    for arg in node.args
+                    if isinstance(arg, ast.Constant)
+                    and isinstance(arg.value, str)
+                    and arg.value not in attributes
+                ]
+        if any(_private(part) for name in names for part in name.split(".")):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_private_upstream_names_are_used_in_compat_only() -> None:
+    # Every private torch or tensordict API is an entry of `_compat.py`, which says the
+    # versions it was checked against, and which `tests/test_compat.py` pins.
+    paths = sorted(PACKAGE.rglob("*.py"))
+    attributes, owners = _own_names([p for p in paths if p.name != "_compat.py"])
+    uses = {
+        str(path.relative_to(PACKAGE)): found
+        for path in paths
+        if path.name != "_compat.py"
+        and (found := private_uses(path.read_text(), attributes, owners))
+    }
+    assert uses == {}
+    assert private_uses((PACKAGE / "_compat.py").read_text(), attributes, owners)  # it sees them
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import torch._dynamo",
+        "from torch.utils._pytree import tree_map",
+        "from torch.overrides import _get_current_function_mode_stack",
+        "from tensordict._td import TensorDict",
+        "torch._C._set_grad_enabled(False)",
+        "torch.ops.aten._local_scalar_dense.default",
+        "module._parameters",
+        "td._tensordict",
+        "self._forward_hooks",
+        "getattr(module, '_buffers', None)",
+        "operator.attrgetter('_version')",
+    ],
+)
+def test_the_private_use_scan_sees(code: str) -> None:
+    assert private_uses(code, {"_graphs"}, {"_compat"})
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "self._graphs",
+        "_compat.td_entries",
+        "_compat._aten",
+        "options._replace(device=None)",
+        "sys._getframe(1)",
+        "from torch.overrides import TorchFunctionMode",
+        "x.__dict__",
+    ],
+)
+def test_the_private_use_scan_leaves(code: str) -> None:
+    assert private_uses(code, {"_graphs"}, {"_compat"}) == []

@@ -113,6 +113,8 @@ def test_raw_stream_is_the_current_streams_handle() -> None:
 
 
 def test_interaction_type_reads_the_same_mode_as_the_public_function() -> None:
+    # The mode holder's own getter, not the public function (its fallback).
+    assert _compat.interaction_type is not public_interaction_type
     assert _compat.interaction_type() == public_interaction_type()
     for mode in InteractionType:
         with set_interaction_type(mode):
@@ -201,6 +203,8 @@ def test_module_hooks_lists_the_registered_kinds() -> None:
     net.register_forward_hook(lambda module, args, out: None)
     net.register_full_backward_hook(lambda module, grad_in, grad_out: None)
     assert _compat.module_hooks(net) == ["forward pre", "forward", "backward"]
+    net.register_full_backward_pre_hook(lambda module, grad_out: None)
+    assert _compat.module_hooks(net) == ["forward pre", "forward", "backward pre", "backward"]
 
 
 def test_the_recorder_sees_operations_and_the_writes_they_declare() -> None:
@@ -311,3 +315,149 @@ def test_capturable_on_cpu_lets_only_its_own_thread_step_on_the_cpu() -> None:
         done.set()
         thread.join(10)
     assert inside == [True]
+
+
+def test_tensordict_set_replaces_an_entry_unchecked() -> None:
+    # `_tree` sets a TensorDict rebuilt from an entry back in its place.
+    td = TensorDict(a=TensorDict(b=torch.zeros(2), batch_size=[2]), batch_size=[2])
+    new = TensorDict(b=torch.ones(2), batch_size=[2])
+    _compat.td_set(td, "a", new)
+    assert _compat.td_entries(td)["a"] is new and td["a", "b"] is new["b"]
+    _compat.td_set(td, "c", torch.ones(2))  # a new key, too
+    assert set(td.keys()) == {"a", "c"}
+
+
+def test_module_dicts_are_the_live_dicts_that_assignments_update() -> None:
+    # `_state` follows a module's state through these dicts: it reads what the module holds
+    # now, after `module.name = ...` or `del module.name`, from the dict it listed at capture.
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    children, linear = _compat.module_children(net), net[0]
+    parameters, buffers = _compat.module_parameters(linear), _compat.module_buffers(net[1])
+    assert list(children) == ["0", "1"] and children["0"] is linear
+    assert set(parameters) == {"weight", "bias"} and parameters["weight"] is linear.weight
+    assert set(buffers) == {"running_mean", "running_var", "num_batches_tracked"}
+    weight, mean, tanh = torch.nn.Parameter(torch.ones(2, 2)), torch.ones(2), torch.nn.Tanh()
+    linear.weight, net[1].running_mean, net[0] = weight, mean, tanh
+    assert _compat.module_parameters(linear) is parameters and parameters["weight"] is weight
+    assert _compat.module_buffers(net[1]) is buffers and buffers["running_mean"] is mean
+    assert _compat.module_children(net) is children and children["0"] is tanh
+    linear.register_parameter("bias", None)
+    assert "bias" in parameters and parameters["bias"] is None  # kept, as None
+    del linear.weight
+    assert "weight" not in parameters
+    net.extra = torch.nn.ReLU()  # a submodule added
+    assert list(children) == ["0", "1", "extra"]
+    linear.scale = torch.ones(2)  # a plain tensor attribute is in neither dict
+    assert "scale" not in parameters and vars(linear)["scale"] is linear.scale
+
+
+def _dispatched(fn: Any) -> list[Any]:
+    """The ATen operations that ``fn`` dispatches, as the emulation's recorder sees them."""
+    seen: list[Any] = []
+
+    class Seeing(_compat.TorchDispatchMode):
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Seeing():
+        fn()
+    return seen
+
+
+def test_the_underscored_aten_operations_are_what_public_calls_dispatch() -> None:
+    # The recorder refuses these operations by identity: each must be what the public call
+    # it stands for dispatches, or the refusal is lost.
+    x = torch.arange(6.0)
+    a = torch.randn(3, 3)
+    spd = a @ a.T + 3 * torch.eye(3)
+    assert _compat.aten_local_scalar_dense in _dispatched(lambda: x[1].item())
+    assert _compat.aten_unique2 in _dispatched(lambda: torch.unique(x))
+    assert _compat.aten_unique is torch.ops.aten._unique.default
+    assert _compat.aten_linalg_check_errors in _dispatched(lambda: torch.linalg.cholesky(spd))
+    assert _compat.aten_linalg_check_errors in _dispatched(lambda: torch.linalg.inv(spd))
+    assert _compat.aten_linalg_eigh in _dispatched(lambda: torch.linalg.eigh(spd))
+    assert _compat.aten_linalg_eigh in _dispatched(lambda: torch.linalg.eigvalsh(spd))
+    # `_check_indexing` reads an index put's arguments by position.
+    names = [argument.name for argument in _compat.op_arguments(_compat.aten_index_put_impl_)]
+    assert names[:4] == ["self", "indices", "values", "accumulate"]
+
+
+def test_a_missing_aten_operation_is_none() -> None:
+    assert _compat._aten("no_such_operation_in_aten") is None
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="a CPU build of torch")
+def test_the_cuda_bindings_exist_in_a_cuda_build() -> None:
+    # Each is looked up with a default (a CPU build has none): gone from a CUDA build, the
+    # library would lose its use silently.
+    assert _compat.raw_stream is not None
+    assert callable(torch._C._cuda_clearCublasWorkspaces)
+    assert callable(torch._C._cuda_endAllocateToPool)
+
+
+def test_memory_snapshot_takes_a_pool() -> None:
+    import inspect
+
+    assert {"mempool_id", "include_traces"} <= set(
+        inspect.signature(torch.cuda.memory_snapshot).parameters
+    )
+
+
+_END_ALLOCATE = """
+import torch
+from cudagraph_td import _compat
+
+device = torch.device("cuda", torch.cuda.current_device())
+pool = torch.cuda.graph_pool_handle()
+side = torch.cuda.Stream()
+torch.cuda.synchronize()
+
+
+def capture(pool, broken):
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        graph.capture_begin(pool=pool)
+        x = torch.ones(1 << 10, device=device)
+        if broken:
+            try:
+                x.sum().item()  # refused, and the capture with it
+            except RuntimeError:
+                pass
+        graph.capture_end()
+    return graph, x
+
+
+try:
+    capture(pool, broken=True)
+except RuntimeError:
+    pass
+else:
+    raise SystemExit("ending the broken capture did not raise")
+assert not torch.cuda.is_current_stream_capturing()
+# torch left the pool registered as captured into (else this raises), and this ends it.
+_compat.end_allocate_to_pool(device, pool)
+try:
+    torch._C._cuda_endAllocateToPool(device.index, pool)
+except RuntimeError as err:
+    assert "not currently recording" in str(err), err
+else:
+    raise SystemExit("end_allocate_to_pool did not end it")
+graph, x = capture(torch.cuda.graph_pool_handle(), broken=False)  # in a new pool
+graph.replay()
+torch.cuda.synchronize()
+assert x.sum().item() == 1 << 10
+print("ok")
+"""
+
+
+@requires_cuda
+def test_end_allocate_to_pool_ends_what_a_failed_capture_left() -> None:
+    # In a process of its own, as the failed capture may leave state behind.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-c", _END_ALLOCATE], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -22,8 +22,9 @@ capture (other threads get torch's own answers):
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -100,81 +101,148 @@ class CaptureEvent:
 @contextlib.contextmanager
 def capturing(host: Storages) -> Iterator[None]:
     """On this thread, torch answers as in a CUDA capture while a call is recorded (see
-    above); ``host`` tells the storages that a GPU run has on the CPU too."""
-    thread = threading.get_ident()
-    streams = {"current_stream": CaptureStream(), "default_stream": CaptureStream()}
-    originals = {
-        name: getattr(torch.cuda, name)
-        for name in (
-            "is_available",
-            "is_current_stream_capturing",
-            "synchronize",
-            "current_stream",
-            "default_stream",
-            "Event",
-        )
-    }
-    location_tag = torch.serialization.location_tag
+    above); ``host`` tells the storages that a GPU run has on the CPU too.
 
-    def true_here(original: Any) -> Any:
-        def query(*args: Any, **kwargs: Any) -> Any:
-            return threading.get_ident() == thread or original(*args, **kwargs)
-
-        return query
-
-    def synchronize(*args: Any, **kwargs: Any) -> None:
-        if threading.get_ident() == thread:
-            raise RuntimeError(f"{HOST_READ} `torch.cuda.synchronize()`)")
-        originals["synchronize"](*args, **kwargs)
-
-    def stream(name: str) -> Any:
-        def get(*args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() == thread:
-                return streams[name]
-            return originals[name](*args, **kwargs)
-
-        return get
-
-    class Event(CaptureEvent):
-        # A class, not a function, so that `isinstance(e, torch.cuda.Event)` still works on
-        # this thread; other threads get torch's events.
-        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() != thread:
-                return originals["Event"](*args, **kwargs)
-            return super().__new__(cls)
-
-    def check_optimizer(optimizer: torch.optim.Optimizer, *args: Any) -> None:
-        if threading.get_ident() == thread:
-            _check_capturable(optimizer)
-
-    def saved_location(storage: Any) -> Any:
-        if (
-            threading.get_ident() == thread
-            and storage.nbytes()
-            and not host.stores_on_host(storage)
-        ):
-            raise RuntimeError(
-                f"{COPY} a tensor of the graph saved, `torch.save`, which copies it to the host)"
-            )
-        return location_tag(storage)
-
-    torch.cuda.is_available = true_here(originals["is_available"])
-    torch.cuda.is_current_stream_capturing = true_here(originals["is_current_stream_capturing"])
-    torch.cuda.synchronize = synchronize
-    torch.cuda.current_stream = stream("current_stream")
-    torch.cuda.default_stream = stream("default_stream")
-    torch.cuda.Event = Event  # type: ignore[misc]
-    # `torch.save` (and `pickle`, through it) names the location of each storage it saves.
-    torch.serialization.location_tag = saved_location
-    # A hook of torch's global registry of optimizer hooks, there while the call is recorded.
-    hook = register_optimizer_step_pre_hook(check_optimizer)
+    Other threads meanwhile get torch's own answers (and ``torch.cuda.Event`` is torch's
+    class to them: its instances, subclasses and class attributes), recordings of their own
+    included: torch's functions are swapped once, while any recording is open, for ones
+    that ask this thread's recording, and put back when the last one, in any thread, ends.
+    """
+    outer = getattr(_here, "recording", None)  # a recording inside a recording's call
+    with _LOCK:
+        if _open[0] == 0:
+            _swap_in()
+        _open[0] += 1
+    _here.recording = _Recording(host)
     try:
         yield
     finally:
+        _here.recording = outer
+        with _LOCK:
+            _open[0] -= 1
+            if _open[0] == 0:
+                _swap_out()
+
+
+class _Recording:
+    """What the answers of one recording need: its CPU memory, its streams."""
+
+    def __init__(self, host: Storages):
+        self.host = host
+        self.streams = {"current_stream": CaptureStream(), "default_stream": CaptureStream()}
+
+
+_here = threading.local()  # `recording`: the `_Recording` of this thread's call, if any
+_LOCK = threading.Lock()
+_open = [0]  # how many recordings are open, in any thread
+# While they are: (module, name, what it held) for each function swapped, and the hook.
+_swapped: list[tuple[Any, str, Any]] = []
+_hooks: list[Any] = []
+
+
+def _swap_in() -> None:
+    """Swap torch's functions for ones that answer this thread's recording, if any."""
+    cuda = torch.cuda
+
+    def is_capturing(recording: _Recording, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def synchronize(recording: _Recording, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(f"{HOST_READ} `torch.cuda.synchronize()`)")
+
+    def stream(name: str) -> Callable[..., Any]:
+        def get(recording: _Recording, *args: Any, **kwargs: Any) -> Any:
+            return recording.streams[name]
+
+        return get
+
+    def saved_location(recording: _Recording, storage: Any) -> Any:
+        if storage.nbytes() and not recording.host.stores_on_host(storage):
+            raise RuntimeError(
+                f"{COPY} a tensor of the graph saved, `torch.save`, which copies it to the host)"
+            )
+        return original_location_tag(storage)
+
+    answers: list[tuple[Any, str, Callable[..., Any]]] = [
+        (cuda, "is_available", is_capturing),
+        (cuda, "is_current_stream_capturing", is_capturing),
+        (cuda, "synchronize", synchronize),
+        (cuda, "current_stream", stream("current_stream")),
+        (cuda, "default_stream", stream("default_stream")),
+        # `torch.save` (and `pickle`, through it) names the location of each storage it
+        # saves with it, looked up at each call.
+        (torch.serialization, "location_tag", saved_location),
+    ]
+    original_location_tag = torch.serialization.location_tag
+    for module, name, answer in answers:
+        original = getattr(module, name)
+        _swapped.append((module, name, original))
+        setattr(module, name, _on_recording_thread(answer, original))
+    _swapped.append((cuda, "Event", cuda.Event))
+    cuda.Event = _event_class(cuda.Event)  # type: ignore[assignment, misc]
+    # A hook of torch's global registry of optimizer hooks, there while a call is recorded.
+    _hooks.append(register_optimizer_step_pre_hook(_check_optimizer))
+
+
+def _swap_out() -> None:
+    """Put torch's functions back (the last recording, in any thread, has ended)."""
+    for hook in _hooks:
         hook.remove()
-        torch.serialization.location_tag = location_tag
-        for name, original in originals.items():
-            setattr(torch.cuda, name, original)
+    _hooks.clear()
+    for module, name, original in reversed(_swapped):
+        setattr(module, name, original)
+    _swapped.clear()
+
+
+def _on_recording_thread(answer: Callable[..., Any], original: Any) -> Any:
+    """``original``, which answers with ``answer`` on a thread that records a call."""
+
+    @functools.wraps(original)  # its name, docstring and signature, to every thread
+    def swapped(*args: Any, **kwargs: Any) -> Any:
+        recording = getattr(_here, "recording", None)
+        if recording is None:
+            return original(*args, **kwargs)
+        return answer(recording, *args, **kwargs)
+
+    return swapped
+
+
+def _event_class(torch_event: type) -> type:
+    """``torch.cuda.Event`` while a call is recorded: a `CaptureEvent` on the recording
+    thread, torch's event on others.
+
+    A class, not a function, so that ``isinstance(e, torch.cuda.Event)`` still works; to
+    other threads it is torch's class but in name: its calls make torch's events, torch's
+    events and subclasses are its instances and subclasses, and its class attributes
+    (``from_ipc_handle``) are torch's. (A class that another thread derives from it while a
+    call is recorded is not torch's.)
+    """
+
+    class EventType(type):
+        def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+            if getattr(_here, "recording", None) is None:
+                return torch_event(*args, **kwargs)
+            return super().__call__(*args, **kwargs)
+
+        def __instancecheck__(cls, instance: Any) -> bool:
+            return type.__instancecheck__(cls, instance) or isinstance(instance, torch_event)
+
+        def __subclasscheck__(cls, subclass: type) -> bool:
+            return type.__subclasscheck__(cls, subclass) or issubclass(subclass, torch_event)
+
+        def __getattr__(cls, name: str) -> Any:
+            return getattr(torch_event, name)
+
+    class Event(CaptureEvent, metaclass=EventType):
+        __doc__ = torch_event.__doc__
+
+    Event.__module__, Event.__qualname__ = torch_event.__module__, torch_event.__qualname__
+    return Event
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, *args: Any) -> None:
+    if getattr(_here, "recording", None) is not None:
+        _check_capturable(optimizer)
 
 
 def _check_capturable(optimizer: torch.optim.Optimizer) -> None:

@@ -1,8 +1,12 @@
 """Every private torch and tensordict API the library uses, in one place.
 
-Each entry says why the public API does not do, and the versions it was checked against;
-``tests/test_compat.py`` fails when one of them changes behaviour (or, for a function the
-library bypasses, grows code). Checked with torch 2.11 and 2.13, tensordict 0.14.3 and 0.15.3.
+No other module of the package names a private torch or tensordict API (a module, function,
+attribute, method or ATen operation whose name starts with ``_``): ``tests/test_architecture.py``
+scans the sources for one. Each entry here says what it is, why the public API does not do,
+the versions it was checked against, and what happens where it is gone (its fallback, or
+none); ``tests/test_compat.py`` fails when one of them changes (is gone, or no longer does
+what the library relies on). "Checked" below means: with torch 2.11 (the GPU machine, CUDA
+13.0) and torch 2.13 (CPU), and with tensordict 0.14.3 and 0.15.3.
 """
 
 from __future__ import annotations
@@ -18,31 +22,24 @@ import torch
 from tensordict import TensorDict
 from tensordict.nn import probabilistic
 
-# The CPU emulation's recorder (`_recording`), checked with torch 2.11 and 2.13:
-# `TorchDispatchMode`, the base class of a mode that sees every ATen operation (with its
-# tensors) below autograd; `_AutoDispatchBelowAutograd`, which runs operations below autograd
-# (a replay of recorded operations, as a CUDA graph's replay runs kernels); an operation's
-# schema (`OpOverload._schema`), whose arguments' alias information marks the ones it writes;
-# the function mode stack (see `default_device_set`).
+# `TorchDispatchMode`: the base class of a mode that sees every ATen operation, with its
+# tensors, below autograd; the emulation's recorder is one. The function mode stack and
+# `DeviceContext`: see `default_device_set`. Checked; if gone: none (the import fails).
 from torch.overrides import _get_current_function_mode_stack as _function_modes
 from torch.utils._device import DeviceContext
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
 
+# --- torch: the CPU emulation's recorder (`_recording`, `_host_calls`) ---------------------
+
 below_autograd: Callable[[], Any] = torch._C._AutoDispatchBelowAutograd
-
-# Whether autocast is on for any device type (`torch.is_autocast_enabled()` asks of one):
-# read at every call of a wrapper, for the autocast part of its mode.
-any_autocast_enabled: Callable[[], bool] = torch._C._is_any_autocast_enabled
-
-# Grad mode and inference mode set by the emulation's replay for each run of operations
-# recorded under one mode: `torch._C._set_grad_enabled` and the `torch._C._InferenceMode`
-# context, which `torch.set_grad_enabled` and `torch.inference_mode` wrap in Python frames.
-set_grad_enabled: Callable[[bool], None] = torch._C._set_grad_enabled
-inference_mode_state: Callable[[bool], Any] = torch._C._InferenceMode
+"""A context that runs ATen operations below autograd (``torch._C._AutoDispatchBelowAutograd``):
+the emulation's replay runs its recorded operations so, as a CUDA graph's replay runs
+kernels. Checked; if gone: none."""
 
 
 def op_arguments(func: Any) -> Any:
-    """The schema arguments of an ATen operation (``OpOverload._schema.arguments``)."""
+    """The schema arguments of an ATen operation (``OpOverload._schema.arguments``), whose
+    alias information marks the arguments the operation writes. Checked; if gone: none."""
     return func._schema.arguments
 
 
@@ -50,35 +47,78 @@ def default_device_set() -> bool:
     """Whether this thread has a default device for factories (``torch.set_default_device``,
     ``with torch.device(...)``): both push a ``torch.utils._device.DeviceContext`` on torch's
     function mode stack (``torch.overrides._get_current_function_mode_stack``), which no
-    public API lists; ``torch.get_default_device()`` cannot tell a chosen CPU from none."""
+    public API lists; ``torch.get_default_device()`` cannot tell a chosen CPU from none.
+    Checked; if gone: none."""
     return any(isinstance(mode, DeviceContext) for mode in _function_modes())
 
 
-# `torch._foreach_copy_(dst, src)`: one multi-tensor copy, issued faster than a `copy_` per
-# tensor, even for one tensor. The replay's input copy and the packed outputs use it.
+def _aten(name: str) -> Any:
+    """``torch.ops.aten.<name>.default``, or ``None`` where this torch has no such operation
+    (the recorder's check that names it then never applies)."""
+    packet = getattr(torch.ops.aten, name, None)
+    return None if packet is None else packet.default
+
+
+# The underscored ATen operations that the recorder refuses or inspects, as a CUDA capture
+# would (see `_recording`). Checked; if one is gone: `None`, and its check is lost.
+aten_local_scalar_dense = _aten("_local_scalar_dense")
+"""What ``.item()`` (and ``bool()``, ``float()`` of a tensor) dispatches: a host read."""
+aten_unique = _aten("_unique")
+"""``torch._unique``: an output shape that depends on values."""
+aten_unique2 = _aten("_unique2")
+"""What ``torch.unique`` dispatches: an output shape that depends on values."""
+aten_index_put_impl_ = _aten("_index_put_impl_")
+"""The kernel of ``index_put_``: ``(self, indices, values, accumulate, unsafe)``."""
+aten_linalg_check_errors = _aten("_linalg_check_errors")
+"""What ``torch.linalg``'s ``cholesky``, ``inv`` and ``solve`` dispatch after their ``_ex``
+form: a host read of the error codes."""
+aten_linalg_eigh = _aten("_linalg_eigh")
+"""What ``torch.linalg.eigh`` and ``eigvalsh`` dispatch (CUDA's solver syncs the host)."""
+
+
+# --- torch: modes ------------------------------------------------------------------------
+
+any_autocast_enabled: Callable[[], bool] = torch._C._is_any_autocast_enabled
+"""Whether autocast is on for any device type (``torch._C._is_any_autocast_enabled``;
+``torch.is_autocast_enabled()`` asks of one): read at every call of a wrapper, for the
+autocast part of its mode. Checked; if gone: none."""
+
+set_grad_enabled: Callable[[bool], None] = torch._C._set_grad_enabled
+"""Set this thread's grad mode (``torch._C._set_grad_enabled``, which the context
+``torch.set_grad_enabled`` wraps in Python frames): the emulation's replay sets it for each
+run of operations recorded under one mode. Checked; if gone: none."""
+
+inference_mode_state: Callable[[bool], Any] = torch._C._InferenceMode
+"""A context that sets inference mode (``torch._C._InferenceMode``, which
+``torch.inference_mode`` wraps): as ``set_grad_enabled``. Checked; if gone: none."""
+
+
+# --- torch: tensors and the replay path --------------------------------------------------
+
 foreach_copy_ = torch._foreach_copy_
+"""``torch._foreach_copy_(dst, src)``: one multi-tensor copy, issued faster than a ``copy_``
+per tensor, even for one tensor. The replay's input copy and the packed outputs use it.
+Checked; if gone: none."""
 
-# A tensor's version counter (`Tensor._version`), which every in-place operation moves: how
-# a capture tells the inputs and parameters that the function wrote.
 version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
+"""A tensor's version counter (``Tensor._version``), which every in-place operation moves:
+how a capture tells the inputs and parameters that the function wrote. Checked; if gone:
+none."""
 
-# `Tensor.as_strided`, unbound: a view at a given offset, the cheapest view to make.
 as_strided = torch.Tensor.as_strided
-
-# tensordict's `interaction_type()` returns its mode holder's `get_mode()`: calling that
-# directly saves a Python call at every replay. The public function where it is missing.
-_holder = getattr(probabilistic, "_interaction_type", None)
-interaction_type: Callable[[], Any] = getattr(_holder, "get_mode", probabilistic.interaction_type)
+"""``Tensor.as_strided`` (public), unbound: a view at a given offset, the cheapest view to
+make."""
 
 
 def graph_replay(graph: Any) -> Callable[[], None]:
     """``graph.replay``, without the Python frame that ``torch.cuda.CUDAGraph.replay`` adds.
 
-    That frame only checks an input-liveness tracker (torch 2.13), which ``capture_begin(
-    check_input_liveness=True)`` turns on and the library never does, or does nothing more
-    (torch 2.11): the replay path calls the C++ method of ``torch._C._CUDAGraph`` directly.
-    Any other graph (the emulation's, a graph with a tracker) replays through its own
-    ``replay``.
+    That frame only checks an input-liveness tracker (``CUDAGraph._tracker``, torch 2.13),
+    which ``capture_begin(check_input_liveness=True)`` turns on and the library never does,
+    or does nothing more (torch 2.11): the replay path calls the C++ method of
+    ``torch._C._CUDAGraph`` directly. Any other graph (the emulation's, a graph with a
+    tracker) replays through its own ``replay``. Checked; if the frame does more, the test
+    says so.
     """
     if isinstance(graph, torch.cuda.CUDAGraph) and getattr(graph, "_tracker", None) is None:
         return super(torch.cuda.CUDAGraph, graph).replay
@@ -89,7 +129,8 @@ def clear_cublas_workspaces() -> None:
     """Free cuBLAS's per-stream workspaces, as torch's CUDA graph trees do around a recording.
 
     ``torch._C._cuda_clearCublasWorkspaces``: no public function does this, nor frees the
-    workspaces of one stream alone (torch 2.11 and 2.13).
+    workspaces of one stream alone. Checked (CUDA builds; CPU builds lack it); if gone:
+    nothing is cleared.
     """
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
@@ -114,18 +155,21 @@ def pool_blocks(device: torch.device, pool: Any) -> frozenset[int]:
 
 
 raw_stream: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-"""The handle of a device's current stream as an int (CUDA builds of torch 2.11 and 2.13):
+"""The handle of a device's current stream as an int (``torch._C._cuda_getCurrentRawStream``):
 ``torch.cuda.current_stream(device).cuda_stream`` builds a ``Stream`` object first, which the
-replay path, comparing it at each call, does without."""
+replay path, comparing it at each call, does without. Checked (CUDA builds); ``None`` on a
+CPU build, where no wrapper replays a CUDA graph; if gone: none (a CUDA replay fails)."""
 
 
 def end_allocate_to_pool(device: torch.device, pool: Any) -> None:
-    """Stop routing the allocations of a failed capture's stream to its pool.
+    """End the allocator's record of a failed capture into ``pool`` on ``device``.
 
-    ``CUDAGraph.capture_end`` does this after ending the capture; when ending it fails (the
-    function broke the capture), torch raises first and the allocator keeps routing that
-    stream's allocations into the pool, and refuses the next capture into it.
-    ``torch._C._cuda_endAllocateToPool`` (torch 2.11 and 2.13): no public function does it.
+    ``CUDAGraph.capture_end`` ends it after ending the capture; when ending the capture
+    fails (the function broke it), torch raises first and the allocator keeps the pool
+    among the captures under way (the pool itself still refuses another capture, torch
+    2.11: see `_backend.SharedPool`). ``torch._C._cuda_endAllocateToPool``: no public
+    function does it. Checked (CUDA builds; a test on the GPU says whether torch still
+    leaves it); if gone: nothing is done.
     """
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
     if end is not None:
@@ -136,38 +180,27 @@ def distributions_validate_args() -> bool:
     """Whether ``torch.distributions`` validates arguments by default.
 
     Its setter, ``Distribution.set_default_validate_args``, is public; the value it sets is
-    the class attribute ``_validate_args``.
+    the class attribute ``Distribution._validate_args``. Checked; if gone: none.
     """
     return bool(torch.distributions.Distribution._validate_args)
 
 
-# The entries of a `TensorDict` by key, as it stores them (nested TensorDicts as such):
-# `TensorDict._tensordict`, which avoids a copy of the dict per call. The replay path reads
-# it at every call: a C accessor, without a Python frame.
-td_entries: Callable[[TensorDict], dict[str, Any]] = operator.attrgetter("_tensordict")
+# --- torch: nn.Module internals ----------------------------------------------------------
 
-# Whether a TensorDict has dimension names, without building them (`_has_names()`).
-td_has_names: Callable[[Any], bool] = operator.methodcaller("_has_names")
+module_children: Callable[[torch.nn.Module], dict[str, Any]] = operator.attrgetter("_modules")
+"""A module's own submodules, in the dict that ``nn.Module`` keeps them in (``_modules``).
 
-# `TensorDictBase._new_unsafe` of a class: a tensor collection around entries, without
-# the public constructor's checks (the entries come from a TensorDict of this layout).
-td_new_unsafe: Callable[[type], Callable[..., Any]] = operator.attrgetter("_new_unsafe")
+The dict itself, not a copy: ``module.name = other`` replaces its entry, ``del module.name``
+removes it, and the dict stays the same object, so that the state around a graph (`_state`)
+reads through it what the module holds now. ``named_children()`` copies, and skips
+``None``. The same for ``module_parameters`` (``_parameters``) and ``module_buffers``
+(``_buffers``). Checked; if gone: none."""
 
+module_parameters: Callable[[torch.nn.Module], dict[str, Any]] = operator.attrgetter("_parameters")
+"""A module's own parameters, in its dict (``_parameters``): see ``module_children``."""
 
-def td_get(td: Any, key: Any) -> Any:
-    """The entry of a TensorDict at a string key, ``NonTensorData`` still wrapped (``_get_str``)."""
-    return td._get_str(key, None)
-
-
-def tensorclass_parts(tc: Any) -> tuple[Any, dict[str, Any]]:
-    """A tensorclass instance's TensorDict of tensor fields, and its other fields."""
-    return tc._tensordict, tc._non_tensordict
-
-
-def tensorclass_new(cls: type, td: TensorDict, others: dict[str, Any]) -> Any:
-    """A tensorclass instance from its TensorDict and other fields (``_from_tensordict``)."""
-    return cls._from_tensordict(td, non_tensordict=others)  # type: ignore[attr-defined]
-
+module_buffers: Callable[[torch.nn.Module], dict[str, Any]] = operator.attrgetter("_buffers")
+"""A module's own buffers, in its dict (``_buffers``): see ``module_children``."""
 
 _HOOK_KINDS = ("forward pre", "forward", "backward pre", "backward")
 
@@ -175,11 +208,64 @@ _HOOK_KINDS = ("forward pre", "forward", "backward pre", "backward")
 def module_hooks(module: torch.nn.Module) -> list[str]:
     """The kinds of hooks registered on ``module`` itself ("forward pre", "forward", ...).
 
-    ``nn.Module._forward_pre_hooks`` and the like: no public API lists them.
+    ``nn.Module._forward_pre_hooks`` and the like: no public API lists them. Checked; if
+    gone: none are seen (``make_graphed_callables`` no longer refuses a module with hooks).
     """
     return [
         kind for kind in _HOOK_KINDS if getattr(module, f"_{kind.replace(' ', '_')}_hooks", None)
     ]
+
+
+# --- tensordict --------------------------------------------------------------------------
+
+_holder = getattr(probabilistic, "_interaction_type", None)
+interaction_type: Callable[[], Any] = getattr(_holder, "get_mode", probabilistic.interaction_type)
+"""tensordict's interaction type: ``interaction_type()`` returns its mode holder's
+``get_mode()`` (``tensordict.nn.probabilistic._interaction_type``), and calling that directly
+saves a Python call at every replay. Checked; if gone: the public function."""
+
+td_entries: Callable[[TensorDict], dict[str, Any]] = operator.attrgetter("_tensordict")
+"""The entries of a ``TensorDict`` by key, as it stores them (nested TensorDicts as such):
+``TensorDict._tensordict``, the live dict, which avoids a copy per call. The replay path
+reads it at every call: a C accessor, without a Python frame. Checked; if gone: none."""
+
+td_has_names: Callable[[Any], bool] = operator.methodcaller("_has_names")
+"""Whether a TensorDict has dimension names, without building them (``_has_names()``).
+Checked; if gone: none."""
+
+td_new_unsafe: Callable[[type], Callable[..., Any]] = operator.attrgetter("_new_unsafe")
+"""``TensorDictBase._new_unsafe`` of a class: a tensor collection around entries, without
+the public constructor's checks (the entries come from a TensorDict of this layout).
+Checked; if gone: none."""
+
+
+def td_get(td: Any, key: Any) -> Any:
+    """The entry of a TensorDict at a string key, ``NonTensorData`` still wrapped
+    (``_get_str(key, default)``). Checked; if gone: none."""
+    return td._get_str(key, None)
+
+
+def td_set(td: Any, key: Any, value: Any) -> None:
+    """Replace the entry of a TensorDict at a string key, unchecked (``_set_str(key, value,
+    validated=True, inplace=False)``): the new entry is a TensorDict rebuilt from the old
+    one, whose batch size and device it keeps. Checked; if gone: none (``td.set(key,
+    value)`` would do, and check the entry again)."""
+    td._set_str(key, value, validated=True, inplace=False)
+
+
+def tensorclass_parts(tc: Any) -> tuple[Any, dict[str, Any]]:
+    """A tensorclass instance's TensorDict of tensor fields, and its other fields
+    (``_tensordict``, ``_non_tensordict``). Checked; if gone: none."""
+    return tc._tensordict, tc._non_tensordict
+
+
+def tensorclass_new(cls: type, td: TensorDict, others: dict[str, Any]) -> Any:
+    """A tensorclass instance from its TensorDict and other fields
+    (``_from_tensordict(td, non_tensordict=...)``). Checked; if gone: none."""
+    return cls._from_tensordict(td, non_tensordict=others)  # type: ignore[attr-defined]
+
+
+# --- torch: optimizers -------------------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -204,8 +290,10 @@ def capturable_on_cpu() -> Iterator[None]:
 
     torch refuses ``capturable=True`` for CPU parameters through
     ``torch.optim.optimizer._get_capturable_supported_devices``, which each optimizer module
-    imports by name (checked with torch 2.11 and 2.13); its capturable code paths are tensor
-    operations that run on the CPU as they are.
+    imports by name (checked; if gone: the refusal stays, and the emulation's training steps
+    with capturable optimizers fail); its capturable code paths are tensor operations that
+    run on the CPU as they are. The context takes effect on its own thread only: another
+    thread meanwhile gets torch's refusal.
     """
     with _CAPTURABLE_LOCK:
         if _capturable_entries[0] == 0:

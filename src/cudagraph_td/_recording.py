@@ -32,6 +32,12 @@ import torch
 from ._capturing import capturing
 from ._compat import (
     TorchDispatchMode,
+    aten_index_put_impl_,
+    aten_linalg_check_errors,
+    aten_linalg_eigh,
+    aten_local_scalar_dense,
+    aten_unique,
+    aten_unique2,
     below_autograd,
     inference_mode_state,
     op_arguments,
@@ -45,8 +51,8 @@ _DATA_DEPENDENT = {
     _aten.nonzero.default,
     _aten.masked_select.default,
     _aten.unique_dim.default,
-    _aten._unique.default,
-    _aten._unique2.default,
+    aten_unique,
+    aten_unique2,
     _aten.unique_consecutive.default,
     _aten.unique_dim_consecutive.default,
     _aten.bincount.default,
@@ -63,7 +69,7 @@ _READS_VALUE = {
 # ATen operations that CUDA runs on tensors of one device only: a CPU scalar among them is
 # refused too (elementwise operations take it as a number).
 _ONE_DEVICE = {_aten.cat.default, _aten.stack.default}
-_INDEX_PUTS = {_aten.index_put_.default, _aten.index_put.default, _aten._index_put_impl_.default}
+_INDEX_PUTS = {_aten.index_put_.default, _aten.index_put.default, aten_index_put_impl_}
 _INDEXING = {_aten.index.Tensor, *_INDEX_PUTS}
 
 
@@ -290,7 +296,7 @@ def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[t
 
 def _host_read(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], host: Any) -> str | None:
     """What an operation that CUDA runs with a read of tensor values on the host reads."""
-    if func is _aten._local_scalar_dense.default:
+    if func is aten_local_scalar_dense:
         return "a host read of a tensor's value, `.item()`"
     if func in _DATA_DEPENDENT:
         return "an output shape that depends on values"
@@ -305,12 +311,12 @@ def _host_read(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], host: A
             f"a host read of a tensor's value, the value given to `{func.__name__.split('.')[0]}`"
             ", which CUDA reads with `.item()`; `torch.where` reads it on the device"
         )
-    if func is _aten._linalg_check_errors.default:
+    if func is aten_linalg_check_errors:
         return (
             "a host read of the error codes of `torch.linalg`'s `cholesky`, `inv` or `solve`;"
             " their `_ex` forms, such as `torch.linalg.cholesky_ex`, leave them on the device"
         )
-    if func is _aten._linalg_eigh.default:
+    if func is aten_linalg_eigh:
         return (
             "a host synchronisation of `torch.linalg.eigh` (or `eigvalsh`), whose CUDA solver"
             " reads on the host (torch 2.11)"

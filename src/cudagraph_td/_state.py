@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from . import _errors_state
+from ._compat import module_buffers, module_children, module_parameters
 
 # Where a piece of state is bound: its path (for messages), the dict that holds it, its key
 # there, and what the key held at capture. The dict is a module's `_parameters`, `_buffers`
@@ -53,9 +54,10 @@ def module_entries(path: str, module: nn.Module) -> Iterator[Entry]:
     where each is bound."""
     for name, sub in module.named_modules():
         where = path + "".join(map(_part, name.split("."))) if name else path
-        for key, child in sub._modules.items():
-            yield where + _part(key), sub._modules, key, child
-        for holder in (sub._parameters, sub._buffers, sub.__dict__):
+        children = module_children(sub)
+        for key, child in children.items():
+            yield where + _part(key), children, key, child
+        for holder in (module_parameters(sub), module_buffers(sub), sub.__dict__):
             for key, value in holder.items():
                 if isinstance(value, torch.Tensor):
                     yield f"{where}.{key}", holder, key, value

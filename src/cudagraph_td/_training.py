@@ -27,7 +27,7 @@ from tensordict import is_tensor_collection
 from torch import nn
 
 from . import _errors_state
-from ._compat import version
+from ._compat import module_children, version
 from ._state import State, modules_entries, optimizer_entries, rebound
 
 # How far the search for optimizers and modules follows references, and how many objects
@@ -102,7 +102,7 @@ def find_state(root: Any) -> tuple[dict[str, torch.optim.Optimizer], dict[str, n
                 continue  # its parameters are found through it; nothing else is needed
             if isinstance(obj, nn.Module):
                 modules.setdefault(path or "module", obj)
-                obj = {**vars(obj), **obj._modules}  # attributes that may hold optimizers
+                obj = {**vars(obj), **module_children(obj)}  # attributes that may hold optimizers
             for name, ref in _references(obj):
                 if _skipped(ref) or id(ref) in seen or len(seen) > _MAX_OBJECTS:
                     continue

@@ -230,7 +230,7 @@ def _visit(tree: Any, on_tensordict: Callable[[TensorDictBase], TensorDictBase])
             if isinstance(entry, TensorDictBase | tuple | list | dict):
                 new = _visit(entry, on_tensordict)
                 if new is not entry:
-                    tree._set_str(key, new, validated=True, inplace=False)
+                    _compat.td_set(tree, key, new)
         return on_tensordict(tree)
     if isinstance(tree, tuple | list):
         items = [_visit(item, on_tensordict) for item in tree]
