@@ -331,9 +331,26 @@ def _allow_cpu_captures(undo: bool = False) -> None:
         devices = original(*args, **kwargs)
         return [*devices, "cpu"] if getattr(_capturable_here, "depth", 0) else devices
 
-    for name, module in list(sys.modules.items()):
-        if name.startswith("torch.optim") and (
-            getattr(module, "_get_capturable_supported_devices", None) is original
-        ):
-            _patched.append((module, original))
-            module._get_capturable_supported_devices = with_cpu  # type: ignore[attr-defined]
+    for module in _optimizer_modules(original):
+        _patched.append((module, original))
+        module._get_capturable_supported_devices = with_cpu  # type: ignore[attr-defined]
+
+
+# The modules that import torch's function by name, found again when modules were imported
+# since: the eager calls of a wrapper without CUDA enter `capturable_on_cpu` at every call,
+# and a scan of every module's name cost about 1 ms.
+_optimizer_modules_found: tuple[int, list[Any]] = (-1, [])
+
+
+def _optimizer_modules(original: Any) -> list[Any]:
+    global _optimizer_modules_found
+    count, modules = _optimizer_modules_found
+    if count != len(sys.modules):
+        modules = [
+            module
+            for name, module in list(sys.modules.items())
+            if name.startswith("torch.optim")
+            and getattr(module, "_get_capturable_supported_devices", None) is original
+        ]
+        _optimizer_modules_found = (len(sys.modules), modules)
+    return modules
