@@ -382,7 +382,8 @@ class Observation:
                 UserWarning,
                 stacklevel=2,
             )
-        bindings = [b for b in bindings if not any(b is m for m in moved)]
+        gone = {id(b) for b in moved}
+        bindings = [b for b in bindings if id(b) not in gone]
         if not entries and not bindings:
             return None
         return State(entries, identity=identity, bindings=bindings)
