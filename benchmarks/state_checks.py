@@ -4,11 +4,15 @@ Each replay checks, besides its inputs: the calling thread, the autocast state, 
 parameters and buffers that the graph reads (see ``src/cudagraph_td/_state.py``). This times
 each part alone with ``timeit`` on this host, for the policy of the benchmark's workload c
 and for a larger network, beside a whole replay of that policy, so that the share of each
-check can be read off. Run on the GPU machine: ``python benchmarks/state_checks.py``.
+check can be read off. Then, for functions that find their models and optimizers through
+attributes and closures, ``State.fresh`` with and without the bindings where those were
+found. Run on the GPU machine: ``python benchmarks/state_checks.py`` (on a CPU, the
+emulation's graphs).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import operator
 import threading
@@ -20,11 +24,17 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
 
-from cudagraph_td import CudaGraphModule
+from cudagraph_td import CudaGraphModule, capturable_on_cpu
+from cudagraph_td._state import State
 
 
 def _us(fn: Any, number: int = 20_000) -> float:
     return min(timeit.repeat(fn, number=number, repeat=7)) / number * 1e6
+
+
+def _state_of(graphed: CudaGraphModule) -> Any:
+    """The State that the graph of ``graphed`` in the current mode follows."""
+    return graphed._current_graphs().runners[None].captured.state
 
 
 def _policy(device: str, width: int, depth: int) -> nn.Sequential:
@@ -49,7 +59,7 @@ def main() -> None:
         with torch.no_grad():
             for _ in range(5):
                 policy(td)
-            state = policy._current_runner().captured.state
+            state = _state_of(policy)
             tensors = len(state.entries)
             parts = {
                 "thread (threading.get_ident)": threading.get_ident,
@@ -75,5 +85,70 @@ def main() -> None:
             print(f"  {name:58s} {us:7.3f} us  ({us / whole:6.1%} of a replay)")
 
 
+class _Agent:
+    def __init__(self, device: str) -> None:
+        self.net = _policy(device, 64, 2)
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=1e-3, capturable=True)
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        self.opt.zero_grad()
+        loss = self.net(x).square().mean()
+        loss.backward()
+        self.opt.step()
+        return loss.detach()
+
+
+def _sac_like(device: str) -> Any:
+    """An update that reads five networks and two optimizers from its closure."""
+    actor, q1, q2 = _policy(device, 64, 2), _policy(device, 64, 2), _policy(device, 64, 2)
+    t1, t2 = (copy.deepcopy(q).requires_grad_(False) for q in (q1, q2))
+    actor_opt = torch.optim.Adam(actor.parameters(), lr=1e-3, capturable=True)
+    q_opt = torch.optim.Adam([*q1.parameters(), *q2.parameters()], lr=1e-3, capturable=True)
+
+    def update(x: torch.Tensor) -> torch.Tensor:
+        q_opt.zero_grad()
+        with torch.no_grad():
+            target = t1(x) + t2(x)
+        q_loss = (q1(x) - target).square().mean() + (q2(x) - target).square().mean()
+        q_loss.backward()
+        q_opt.step()
+        actor_opt.zero_grad()
+        actor_loss = -q1(actor(x)[:, :4].repeat(1, 4)).mean()
+        actor_loss.backward()
+        actor_opt.step()
+        return q_loss.detach() + actor_loss.detach()
+
+    return update
+
+
+def bindings(device: str, backend: str) -> None:
+    """``State.fresh`` with the bindings where the models and optimizers were found, and
+    the same State without them."""
+    agent = _Agent(device)
+    cases = {
+        "policy: lambda x, a=agent: a.net(x), no_grad": (lambda x, a=agent: a.net(x), False),
+        "training step: agent.step (self.net, self.opt)": (agent.step, True),
+        "SAC-like update: 5 networks, 2 optimizers (closure)": (_sac_like(device), True),
+    }
+    print("\nbindings of the models and optimizers (State.fresh):")
+    for name, (fn, grad) in cases.items():
+        graphed = CudaGraphModule(fn, backend=backend)  # type: ignore[arg-type]
+        x = torch.randn(32, 16, device=device)
+        with torch.set_grad_enabled(grad), capturable_on_cpu():
+            for _ in range(5):
+                graphed(x)
+            state = _state_of(graphed)
+        unbound = State([e[:4] for e in state.entries], identity=state.identity)
+        with_them, without = _us(state.fresh), _us(unbound.fresh)
+        print(
+            f"  {name:52s} {with_them:6.3f} us, {without:6.3f} us without its "
+            f"{len(state.bindings)} bindings ({', '.join(b[0] for b in state.bindings)})"
+        )
+
+
 if __name__ == "__main__":
     main()
+    bindings(
+        "cuda" if torch.cuda.is_available() else "cpu",
+        "cuda" if torch.cuda.is_available() else "emulate",
+    )

@@ -394,3 +394,216 @@ def test_a_resumed_run_tracks_its_resumed_eager_twin(backend: Backend, saved_at:
         torch.testing.assert_close(graphed(x, y), twin_step(x, y))
     for p, q in zip(net.parameters(), twin_net.parameters(), strict=True):
         torch.testing.assert_close(p, q)
+
+
+# A resume that builds a new model and optimizer, loads the checkpoint into them and binds
+# them where the function finds its own: the graph read the old ones.
+
+
+def _model(backend: Backend, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 1)).to(backend.device)
+    return net, torch.optim.Adam(net.parameters(), lr=1e-2, capturable=True)
+
+
+def _train(net: nn.Module, opt: torch.optim.Optimizer, x: Any, y: Any) -> torch.Tensor:
+    opt.zero_grad(set_to_none=True)
+    loss = (net(x) - y).square().mean()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _act(net: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+    return net(x)
+
+
+class _Agent:
+    """A model and its optimizer held as attributes of a plain object, as RL agents do."""
+
+    def __init__(self, net: nn.Module, opt: torch.optim.Optimizer, body: Any) -> None:
+        self.net, self.opt, self.body = net, opt, body
+        self.calls = 0
+
+    def step(self, *args: Any) -> Any:
+        return self.body(self.net, self.opt, *args)
+
+
+_NET: Any = None  # the model, optimizer and body of `_global_step`
+_OPT: Any = None
+_BODY: Any = None
+
+
+def _global_step(*args: Any) -> Any:
+    return _BODY(_NET, _OPT, *args)
+
+
+def _bound(backend: Backend, kind: str, body: Any) -> tuple[Any, Any, Any, tuple[str, str]]:
+    """``body(net, opt, *args)`` as a function that finds a model and optimizer where
+    ``kind`` binds them; a function that binds others there, one that returns those bound,
+    and the paths that a RecaptureWarning names."""
+    net, opt = _model(backend)
+    if kind in ("attribute", "method"):
+        agent = _Agent(net, opt, body)
+
+        def rebind(net: nn.Module, opt: torch.optim.Optimizer) -> None:
+            agent.net, agent.opt = net, opt
+
+        if kind == "method":
+            return agent.step, rebind, lambda: (agent.net, agent.opt), ("self.net", "self.opt")
+        fn = lambda *args, a=agent: a.step(*args)  # noqa: E731
+        return fn, rebind, lambda: (agent.net, agent.opt), ("a.net", "a.opt")
+    if kind == "dict":
+        held = {"net": net, "opt": opt}
+
+        def step(*args: Any) -> Any:
+            return body(held["net"], held["opt"], *args)
+
+        def rebind_entries(net: nn.Module, opt: torch.optim.Optimizer) -> None:
+            held.update(net=net, opt=opt)
+
+        return step, rebind_entries, lambda: (held["net"], held["opt"]), ("held.net", "held.opt")
+    if kind == "global":
+        global _NET, _OPT, _BODY
+        _NET, _OPT, _BODY = net, opt, body
+
+        def rebind_globals(net: nn.Module, opt: torch.optim.Optimizer) -> None:
+            global _NET, _OPT
+            _NET, _OPT = net, opt
+
+        return _global_step, rebind_globals, lambda: (_NET, _OPT), ("_NET", "_OPT")
+    assert kind == "closure"
+
+    def closure_step(*args: Any) -> Any:
+        return body(net, opt, *args)
+
+    def rebind_cells(new_net: nn.Module, new_opt: torch.optim.Optimizer) -> None:
+        nonlocal net, opt
+        net, opt = new_net, new_opt
+
+    return closure_step, rebind_cells, lambda: (net, opt), ("net", "opt")
+
+
+def _saved(backend: Backend, net: nn.Module, opt: torch.optim.Optimizer) -> Any:
+    buffer = io.BytesIO()
+    torch.save((net.state_dict(), opt.state_dict()), buffer)
+    buffer.seek(0)
+    return torch.load(buffer, map_location=backend.device)
+
+
+def _resumed(
+    backend: Backend, saved: Any, what: str, net: nn.Module, opt: torch.optim.Optimizer
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model and optimizer that a resume from ``saved`` binds: new ones loaded from it,
+    or (``what="optimizer"``) the same model, loaded in place, with a new optimizer."""
+    weights, state = saved
+    if what == "optimizer":
+        net.load_state_dict(weights)
+        opt = torch.optim.Adam(net.parameters(), lr=1e-2, capturable=True)
+    else:
+        net, opt = _model(backend, seed=1)
+        net.load_state_dict(weights)
+    opt.load_state_dict(state)
+    return net, opt
+
+
+BINDINGS = ["attribute", "method", "dict", "global", "closure"]
+
+
+@pytest.mark.parametrize("what", ["model+optimizer", "optimizer"])
+@pytest.mark.parametrize("kind", BINDINGS)
+def test_a_resume_that_rebinds_the_model_or_optimizer_is_captured_again(
+    backend: Backend, kind: str, what: str
+) -> None:
+    step, rebind, bound, paths = _bound(backend, kind, _train)
+    twin = {"net": None, "opt": None}
+    twin["net"], twin["opt"] = _model(backend)
+    twin_step = lambda x, y: _train(twin["net"], twin["opt"], x, y)  # noqa: E731
+    graphed = backend.wrap(step, warmup=2)
+    data = [(backend.randn(16, 4), backend.randn(16, 1)) for _ in range(12)]
+    for i, (x, y) in enumerate(data[:6]):
+        if i == 3:
+            checkpoints = [_saved(backend, *bound()), _saved(backend, twin["net"], twin["opt"])]
+        torch.testing.assert_close(graphed(x, y), twin_step(x, y))
+    rebind(*_resumed(backend, checkpoints[0], what, *bound()))
+    twin["net"], twin["opt"] = _resumed(backend, checkpoints[1], what, twin["net"], twin["opt"])
+    named = paths[1] if what == "optimizer" else paths[0]
+    with pytest.warns(RecaptureWarning, match=re.escape(f"`{named}`")):
+        torch.testing.assert_close(graphed(*data[6]), twin_step(*data[6]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # captured again once
+        for x, y in data[7:]:
+            torch.testing.assert_close(graphed(x, y), twin_step(x, y))
+    net, opt = bound()
+    for p, q in zip(net.parameters(), twin["net"].parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(opt.state[p][key], twin["opt"].state[q][key])
+
+
+@pytest.mark.parametrize("kind", BINDINGS)
+def test_a_policy_whose_model_is_rebound_is_captured_again(backend: Backend, kind: str) -> None:
+    policy, rebind, bound, paths = _bound(backend, kind, _act)
+    graphed = backend.wrap(policy, warmup=2)
+    with torch.no_grad():
+        for _ in range(3):
+            x = backend.randn(8, 4)
+            torch.testing.assert_close(graphed(x), bound()[0](x))
+        net = _model(backend, seed=1)[0]
+        rebind(net, bound()[1])
+        with pytest.warns(RecaptureWarning, match=re.escape(f"`{paths[0]}`")):
+            torch.testing.assert_close(graphed(x), net(x))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(3):
+                x = backend.randn(8, 4)
+                torch.testing.assert_close(graphed(x), net(x))
+
+
+def test_other_attributes_of_the_agent_changing_keep_the_graph(backend: Backend) -> None:
+    agent = _Agent(*_model(backend), _train)
+    # A graphed policy of the same network, which the agent holds too (its wrapper's own
+    # attributes, which reach the network again, change at each call).
+    agent.policy = policy = backend.wrap(agent.net, warmup=2)
+    agent.history = []
+    graphed = backend.wrap(agent.step, warmup=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no recapture
+        for _ in range(8):
+            x, y = backend.randn(16, 4), backend.randn(16, 1)
+            loss = graphed(x, y)
+            agent.calls += 1  # a counter, a log, a list rebound: not on the way to a module
+            agent.log = {"loss": loss, "calls": agent.calls}
+            agent.history = [*agent.history, float(loss)]
+            with torch.no_grad():
+                torch.testing.assert_close(policy(x), agent.net(x))
+        captured = current_runner(graphed).captured
+    agent.opt = torch.optim.Adam(agent.net.parameters(), lr=1e-2, capturable=True)
+    with pytest.warns(RecaptureWarning, match=re.escape("`self.opt`")):
+        graphed(backend.randn(16, 4), backend.randn(16, 1))
+    assert current_runner(graphed).captured is not captured
+
+
+def test_a_graphed_callable_refuses_a_rebound_module(backend: Backend) -> None:
+    agent = _Agent(*_model(backend), _act)
+    graphed = backend.graph_callables(lambda x, a=agent: a.net(x), (backend.randn(5, 4),))
+    agent.net = _model(backend, seed=1)[0]
+    with pytest.raises(RuntimeError, match=re.escape("replaced after the capture: `a.net`")):
+        graphed(backend.randn(5, 4))
+
+
+def test_a_function_that_rebinds_where_it_finds_its_model_is_warned_at_capture(
+    backend: Backend,
+) -> None:
+    agent = _Agent(*_model(backend), _act)
+    agent.nets = {"actor": agent.net}
+
+    def act(x: torch.Tensor, a: _Agent = agent) -> torch.Tensor:
+        a.nets = dict(a.nets)  # a new dict at each call: a graph reads the capture's
+        return a.nets["actor"](x)
+
+    graphed = backend.wrap(act, warmup=2)
+    with torch.no_grad():
+        graphed(backend.randn(3, 4))
+        with pytest.warns(UserWarning, match=re.escape("rebinds `a.nets` to a new object")):
+            graphed(backend.randn(3, 4))

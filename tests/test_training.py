@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from cudagraph_td._training import find_state
+from cudagraph_td._training import Search, find_state
 
 from .conftest import Backend
 
@@ -69,6 +69,65 @@ def test_find_state_names_what_the_function_reaches(make: Any) -> None:
     optimizers, modules = find_state(fn)
     assert optimizers[opt_path] is optimizer
     assert modules[module_path] is module
+
+
+@pytest.mark.parametrize(
+    ("make", "paths"),
+    [
+        pytest.param(lambda: _global_step, {"NET", "OPT"}, id="globals"),
+        pytest.param(lambda: _closure()[0], {"net", "opt"}, id="closure"),
+        pytest.param(
+            lambda: Agent().update,
+            {"self.nets", "self.nets.actor", "self.opts", "self.opts[0]"},
+            id="method",
+        ),
+        pytest.param(
+            lambda: _default(Agent()),
+            {"a.nets", "a.nets.actor", "a.opts", "a.opts[0]"},
+            id="default",
+        ),
+        pytest.param(lambda: functools.partial(_global_step), {"NET", "OPT"}, id="partial"),
+    ],
+)
+def test_bindings_name_where_the_modules_and_optimizers_are_found(
+    make: Any, paths: set[str]
+) -> None:
+    search = Search(make())
+    bindings = search.bindings([*search.modules.values(), *search.optimizers.values()])
+    assert {path for path, *_ in bindings} == paths
+    for _, holder, key, value in bindings:
+        assert holder[key] is value
+
+
+def _default(agent: Agent) -> Any:
+    return lambda x, a=agent: a.update(x)
+
+
+class Holder:
+    """A plain object that holds a model, as an agent does."""
+
+
+HOLDER = Holder()
+HOLDER.NET = NET  # an attribute named as the global that holds the same module
+
+
+def test_bindings_leave_out_references_on_no_way_to_the_module() -> None:
+    net = nn.Linear(2, 2)
+    agent = Holder()
+    agent.net = net
+    net.owner = agent  # a reference back up
+    search = Search(lambda x, a=agent: a.net(x))
+    assert [path for path, *_ in search.bindings([net])] == ["a.net"]
+
+    def step(x: torch.Tensor) -> torch.Tensor:  # `net` and `agent` met at the same depth
+        return agent.net(x) + net(x)
+
+    search = Search(step)
+    assert {path for path, *_ in search.bindings([net])} == {"net", "agent", "agent.net"}
+
+    # `HOLDER.NET` names the global `NET`, which the function does not read.
+    search = Search(lambda x: HOLDER.NET(x))
+    assert {path for path, *_ in search.bindings([NET])} == {"HOLDER", "HOLDER.NET"}
 
 
 def test_find_state_skips_data_and_stops() -> None:

@@ -333,7 +333,7 @@ def _allow_cpu_captures(undo: bool = False) -> None:
 
     for module in _optimizer_modules(original):
         _patched.append((module, original))
-        module._get_capturable_supported_devices = with_cpu  # type: ignore[attr-defined]
+        module._get_capturable_supported_devices = with_cpu
 
 
 # The modules that import torch's function by name, found again when modules were imported

@@ -64,19 +64,23 @@ def recaptured(name: str, changed: list[str]) -> str:
         f"{name}: state that the graph reads was replaced after the capture: {shown}{more} "
         "(a new tensor, new memory or a new submodule: an attribute rebound, "
         "`load_state_dict(assign=True)`, `.data = ...`, `.to(...)`, `net[0] = ...`, or an "
-        "optimizer's `load_state_dict`). The graph read the old state, so it is captured "
-        "again for the new state: the next calls warm up and capture as the first ones did. "
-        "Update state in place (`load_state_dict(sd)`, `copy_`) to keep the graph. "
+        "optimizer's `load_state_dict`; or a new module or optimizer where the function "
+        "finds it: an attribute, a global or a closure variable rebound, `agent.net = net`). "
+        "The graph read the old state, so it is captured again for the new state: the next "
+        "calls warm up and capture as the first ones did. Update state in place "
+        "(`load_state_dict(sd)`, `copy_`; a resumed run loads its checkpoint into the model "
+        "and optimizer that the function reads) to keep the graph. "
         "To refuse instead, turn this warning into an error: "
         "`warnings.simplefilter('error', cudagraph_td.RecaptureWarning)`."
     )
 
 
-def rebinds_state(name: str, paths: list[str]) -> str:
-    """The warning for a function that rebinds module state at each call."""
+def rebinds_state(name: str, paths: list[str], new: str = "a new tensor") -> str:
+    """The warning for a function that rebinds module state (or a module, an optimizer, an
+    object on the way to them) at each call."""
     shown = ", ".join(f"`{path}`" for path in paths[:5])
     return (
-        f"{name}: the function rebinds {shown} to a new tensor when it runs (`self.x = ...`). "
+        f"{name}: the function rebinds {shown} to {new} when it runs (`self.x = ...`). "
         "A graph replays its kernels on the tensors of the capture: each replay reads the "
         "value of before the capture, not the last call's. Update such state in place "
         "(`self.x.copy_(...)`, `self.x.add_(1)`)."
@@ -88,7 +92,9 @@ def replaced_after_capture(name: str, changed: list[str]) -> RuntimeError:
     shown = ", ".join(f"`{path}`" for path in changed[:5])
     return RuntimeError(
         f"{name}: state that the graph reads was replaced after the capture: {shown} (a new "
-        "tensor, new memory or a new submodule), and the graph still reads the old state. "
+        "tensor, new memory or a new submodule; or a new module where the function finds it: "
+        "an attribute, a global or a closure variable rebound), and the graph still reads the "
+        "old state. "
         "Update it in place (`load_state_dict(sd)`, `copy_`), or call make_graphed_callables "
         "again."
     )

@@ -5,20 +5,23 @@ uses and, for a training step, its optimizers' state, each at the address it had
 capture. Updated in place (an optimizer step, ``load_state_dict``, ``copy_``), they flow
 through the graph. Replaced (an attribute rebound, ``load_state_dict(assign=True)``,
 ``param.data = ...``, ``module.to(...)``, ``optimizer.load_state_dict(...)``), the graph
-would keep reading the old memory. ``State`` holds where each piece was found and what
-it was at capture; its ``fresh()`` tells, before each replay, whether all of it is still
-there. When not, the graph is captured again, with a ``RecaptureWarning``.
+would keep reading the old memory. So would a graph whose modules or optimizers themselves
+were replaced where the function finds them (a resume that binds a new model and optimizer
+to ``agent.net``, ``agent.opt``, a global or a closure variable). ``State`` holds where each
+piece was found and what it was at capture; its ``fresh()`` tells, before each replay,
+whether all of it is still there. When not, the graph is captured again, with a
+``RecaptureWarning``.
 """
 
 from __future__ import annotations
 
 import itertools
+import operator
 import os
 import re
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Mapping
-from operator import getitem
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import tensordict
@@ -34,7 +37,14 @@ from ._compat import module_buffers, module_children, module_parameters
 # its own for a tensor that nothing else binds (its address is still followed).
 Entry = tuple[str, Mapping[Any, Any], Any, Any]
 
+# Where a module or optimizer that a graph reads was found, or an object on the way to it
+# from the function: its path, the holder that binds it (a dict: an object's `__dict__`, a
+# function's globals, a dict's entry; a list; `CELLS` for a closure variable), its key there,
+# and what the key held at capture. See `_training.Search.bindings`.
+Binding = tuple[str, Any, Any, Any]
+
 _data_ptr = torch.Tensor.data_ptr
+getitem: Callable[[Any, Any], Any] = operator.getitem  # a holder is a dict, a list or `CELLS`
 
 
 class RecaptureWarning(UserWarning):
@@ -89,9 +99,33 @@ def optimizer_entries(
                 yield f"{path}.param_groups[{i}]['params'][{j}]", {0: p}, 0, p
 
 
-def rebound(entries: list[Entry]) -> list[Entry]:
-    """The ``entries`` whose dict holds another object than when they were listed."""
-    return [entry for entry in entries if entry[1].get(entry[2]) is not entry[3]]
+class _Cells:
+    """Closure cells as one holder: ``CELLS[cell]`` is what the cell's variable holds now.
+
+    A closure variable is then followed as a dict entry is, by ``holder[key]``: a cell is no
+    mapping, and a holder of its own per cell would cost an object each. An empty cell (the
+    variable deleted, ``del x``) raises ``ValueError``.
+    """
+
+    # In C all the way, as a dict's: a `staticmethod` is called with the key alone, and
+    # `attrgetter` reads `cell.cell_contents` (a method in Python costs ~30 ns more a cell).
+    __getitem__ = staticmethod(operator.attrgetter("cell_contents"))
+
+
+CELLS = _Cells()
+
+
+def held(holder: Any, key: Any) -> Any:
+    """What ``holder[key]`` holds now, or ``None`` where nothing is there any more."""
+    try:
+        return holder[key]
+    except (LookupError, TypeError, ValueError):  # ValueError: an empty cell
+        return None
+
+
+def rebound(entries: Sequence[Entry | Binding]) -> list[Entry | Binding]:
+    """The ``entries`` whose holder holds another object than when they were listed."""
+    return [entry for entry in entries if held(entry[1], entry[2]) is not entry[3]]
 
 
 class State:
@@ -101,15 +135,18 @@ class State:
     a graph that hands them to autograd or steps them (``identity``), by identity too; the
     submodules of each module by identity, as the whole list of a module's children (one
     added or removed changes what a ``Sequential`` runs); an optimizer's ``state`` and
-    ``param_groups`` by identity.
+    ``param_groups`` by identity; the ``bindings`` where the modules and optimizers were
+    found, and those of the objects on the way to them, by identity (another object bound
+    there is another model or optimizer, whose state the graph never read).
     """
 
-    def __init__(self, entries: list[Entry], *, identity: bool):
+    def __init__(self, entries: list[Entry], *, identity: bool, bindings: Sequence[Binding] = ()):
         unique: dict[tuple[int, Any], Entry] = {}
         for entry in entries:  # a tensor bound twice (shared weights) is followed once
             unique.setdefault((id(entry[1]), entry[2]), entry)
         self.identity = identity
         self.entries = [(*entry, _address(entry[3])) for entry in unique.values()]
+        self.bindings = [*{_slot(b): b for b in bindings if _slot(b) not in unique}.values()]
         tensors = [e for e in self.entries if e[4] is not None]
         modules = [e for e in self.entries if isinstance(e[3], nn.Module)]
         others = [e for e in self.entries if e[4] is None and not isinstance(e[3], nn.Module)]
@@ -117,14 +154,15 @@ class State:
         self.children = [
             (_parent(e[0]), e[1], [*e[1].values()]) for e in {id(e[1]): e for e in modules}.values()
         ]
-        bound = tensors + others
+        followed: list[Any] = [*others, *self.bindings]  # by identity, whatever `identity`
+        bound = tensors + followed
         self.fresh: Callable[[], bool] = _fresh_check(
             [e[1] for e in bound],
             [e[2] for e in bound],
             tensors=len(tensors),
             expected=[
                 *(e[4] for e in tensors),  # the addresses of the tensors
-                *(id(e[3]) for e in (bound if identity else others)),
+                *(id(e[3]) for e in (bound if identity else followed)),
                 *(value for c in self.children for value in c[2]),
             ],
             identity=identity,
@@ -133,7 +171,9 @@ class State:
 
     def changes(self) -> list[str]:
         """The paths of the state replaced since the capture (none while ``fresh()``)."""
-        changed = []
+        # A model or optimizer rebound (`agent.net`) first: the old one's state, unchanged, is
+        # not named.
+        changed = [path for path, *_ in rebound(self.bindings)]
         for path, holder, key, value, address in self.entries:
             now = holder.get(key)
             if ((address is None or self.identity) and now is not value) or (
@@ -154,6 +194,12 @@ class State:
         )
 
 
+def _slot(binding: Binding) -> tuple[int, Any]:
+    """Where ``binding`` is: its holder, and its key (a cell, unhashable, by ``id``)."""
+    holder, key = binding[1], binding[2]
+    return id(holder), id(key) if holder is CELLS else key
+
+
 def _address(value: Any) -> int | None:
     return _data_ptr(value) if isinstance(value, torch.Tensor) else None
 
@@ -164,7 +210,7 @@ def _parent(path: str) -> str:
 
 
 def _fresh_check(
-    holders: list[Mapping[Any, Any]],
+    holders: list[Any],
     keys: list[Any],
     *,
     tensors: int,
@@ -179,10 +225,15 @@ def _fresh_check(
     tensor or module), and compared once with ``expected``: the tensors' addresses, then
     the ``id`` of each object followed by identity (all, for an ``identity`` graph, else
     those that are not tensors), then the children (compared by identity: `nn.Module`
-    defines no ``==``). The ``id``s are stable: the State holds the objects.
+    defines no ``==``). The ``id``s are stable: the State holds the objects. A holder is a
+    dict, or a list or `CELLS` for a binding (see `Binding`).
+
+    Three forms, each the fastest for its case: addresses only (an inference graph that
+    follows no object by identity); addresses, then identities, each from lists of their
+    own (no list to slice); one list of all that the holders hold, for an ``identity``
+    graph, whose tensors are followed both ways.
     """
-    start = 0 if identity else tensors  # the first one followed by identity
-    if start == len(holders):  # addresses only (and the children): no list to slice
+    if tensors == len(holders) and not identity:  # addresses only (and the children)
 
         def fresh() -> bool:
             try:
@@ -190,20 +241,36 @@ def _fresh_check(
                     *map(_data_ptr, map(getitem, holders, keys)),
                     *_chain(map(_values, children)),
                 ] == expected
-            except (KeyError, TypeError):  # an entry deleted, or set to None
+            except (LookupError, TypeError, ValueError):  # deleted, set to None, emptied
                 return False
 
         return fresh
+
+    if not identity:  # the tensors by address, the others by identity: no list to slice
+        tensor_holders, tensor_keys = holders[:tensors], keys[:tensors]
+        other_holders, other_keys = holders[tensors:], keys[tensors:]
+
+        def fresh_and_bound() -> bool:
+            try:
+                return [
+                    *map(_data_ptr, map(getitem, tensor_holders, tensor_keys)),
+                    *map(id, map(getitem, other_holders, other_keys)),
+                    *_chain(map(_values, children)),
+                ] == expected
+            except (LookupError, TypeError, ValueError):
+                return False
+
+        return fresh_and_bound
 
     def fresh_and_same() -> bool:
         try:
             held = [*map(getitem, holders, keys)]
             return [
                 *map(_data_ptr, held[:tensors]),
-                *map(id, held[start:]),
+                *map(id, held),
                 *_chain(map(_values, children)),
             ] == expected
-        except (KeyError, TypeError):
+        except (LookupError, TypeError, ValueError):
             return False
 
     return fresh_and_same
