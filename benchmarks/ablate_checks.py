@@ -163,7 +163,7 @@ def _cycling(graphed: Any, graphs: Any) -> dict[str, Any]:
 def _pieces(graphed: Any, td: TensorDict) -> dict[str, Any]:
     """Each step of the wrapper's call, alone (what the replay path's layers cost)."""
     from cudagraph_td._compat import interaction_type, td_entries
-    from cudagraph_td._signature import metadata
+    from cudagraph_td._values.signature import metadata
 
     t = td["observation"]
     module = graphed.module

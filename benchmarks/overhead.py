@@ -29,8 +29,8 @@ import workloads
 from run import time_cpu
 
 import cudagraph_td
-from cudagraph_td import _replay
-from cudagraph_td._signature import metadata
+from cudagraph_td._call import replay as _replay
+from cudagraph_td._values.signature import metadata
 
 Steps = dict[str, Callable[[], Any]]
 
@@ -117,8 +117,8 @@ def sac_update() -> Steps:
             list(map(metadata, tensors)) == signature.expected
         ),
         "  the full check, for comparison: signature.match": lambda: signature.match((batch,), {}),
-        "    of which optree.tree_flatten": lambda: cudagraph_td._tree.optree.tree_flatten(
-            ((batch,), {}), namespace=cudagraph_td._tree.NAMESPACE
+        "    of which optree.tree_flatten": lambda: cudagraph_td._values.tree.optree.tree_flatten(
+            ((batch,), {}), namespace=cudagraph_td._values.tree.NAMESPACE
         ),
         "  training-step watch": watch,
         "  torch._foreach_copy_ of the inputs": lambda: torch._foreach_copy_(
@@ -126,7 +126,7 @@ def sac_update() -> Steps:
         ),
         "  graph.replay()": captured.graph.replay,
         "  fresh outputs (one buffer, views, _foreach_copy_)": outputs.copies.make,
-        "    of which the views": lambda: cudagraph_td._outputs._views(
+        "    of which the views": lambda: cudagraph_td._values.outputs._views(
             torch.empty(len(fresh), device=device), outputs.copies._groups[0][3]
         ),
         "  the result rebuilt (optree.tree_unflatten)": lambda: outputs.rebuild(fresh),

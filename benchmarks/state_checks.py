@@ -1,7 +1,7 @@
 """What the checks of the state around a graph cost per call, part by part (CPU time).
 
 Each replay checks, besides its inputs: the calling thread, the autocast state, and the
-parameters and buffers that the graph reads (see ``src/cudagraph_td/_state.py``). This times
+parameters and buffers that the graph reads (see ``src/cudagraph_td/_state/state.py``). This times
 each part alone with ``timeit`` on this host, for the policy of the benchmark's workload c
 and for a larger network, beside a whole replay of that policy, so that the share of each
 check can be read off. Then, for functions that find their models and optimizers through
@@ -25,7 +25,7 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 
 from cudagraph_td import CudaGraphModule, capturable_on_cpu
-from cudagraph_td._state import State
+from cudagraph_td._state.state import State
 
 
 def _us(fn: Any, number: int = 20_000) -> float:

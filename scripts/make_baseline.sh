@@ -13,7 +13,10 @@ rm -rf "$out" && mkdir -p "$out"
 folder=src/cudagraph_td
 git cat-file -e "$rev:$folder" 2>/dev/null || folder=cudagraph_td
 git archive "$rev" "$folder" | tar -x -C "$out" --strip-components="$(tr -cd / <<< "$folder/" | wc -c)"
-sed -i 's/^NAMESPACE = "cudagraph_td"/NAMESPACE = "cudagraph_td_baseline"/' "$out/_tree.py"
-grep -q '^NAMESPACE = "cudagraph_td_baseline"' "$out/_tree.py"
+# The optree namespace's module: _values/tree.py, or _tree.py before the subpackages.
+tree="$out/_values/tree.py"
+[[ -f "$tree" ]] || tree="$out/_tree.py"
+sed -i 's/^NAMESPACE = "cudagraph_td"/NAMESPACE = "cudagraph_td_baseline"/' "$tree"
+grep -q '^NAMESPACE = "cudagraph_td_baseline"' "$tree"
 echo "REVISION = \"$(git rev-parse --short "$rev")\"" >> "$out/__init__.py"
 echo "baseline: $rev ($(git rev-parse --short "$rev")) in $out"

@@ -1,4 +1,5 @@
-"""The package's layout: small private modules, and imports that never go in a circle."""
+"""The package's layout: subpackages by concern, small private modules, and imports that
+never go in a circle."""
 
 from __future__ import annotations
 
@@ -12,10 +13,32 @@ import pytest
 import cudagraph_td
 
 PACKAGE = pathlib.Path(__file__).parent.parent / "src" / "cudagraph_td"
+# The package's top level: its public surface, its version, the one place for private
+# upstream APIs, and a subpackage per concern (see docs/architecture.md).
+TOP_LEVEL = {"__init__.py", "_version.py", "_compat.py", "py.typed"}
+SUBPACKAGES = {"_call", "_values", "_capture", "_emulation", "_shapes", "_state", "_errors"}
 
 
-def _package_imports(path: pathlib.Path) -> set[str]:
-    """The package's modules that ``path`` imports at run time (not under TYPE_CHECKING)."""
+def _name(path: pathlib.Path) -> str:
+    """A module's dotted name inside the package: ``_call.replay``, ``_compat``, ``_call``
+    for a subpackage's ``__init__.py``, ``""`` for the package's own."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _resolve(name: str, is_package: bool, level: int, module: str | None) -> str:
+    """The dotted name inside the package that a relative import of ``level`` dots and
+    ``module`` names, from the module ``name``."""
+    parts = name.split(".") if name else []
+    package = parts if is_package else parts[:-1]
+    assert level - 1 <= len(package), (name, level)  # the import stays inside the package
+    base = package[: len(package) - level + 1]
+    return ".".join([*base, *([module] if module else [])])
+
+
+def _package_imports(path: pathlib.Path, modules: set[str]) -> set[str]:
+    """The package's modules that ``path`` imports at run time (not under TYPE_CHECKING), by
+    their dotted names inside the package."""
     tree = ast.parse(path.read_text())
     type_only = {
         id(node)
@@ -24,20 +47,36 @@ def _package_imports(path: pathlib.Path) -> set[str]:
         for stmt in block.body
         for node in ast.walk(stmt)
     }
+    name, is_package = _name(path), path.name == "__init__.py"
     found = set()
     for node in ast.walk(tree):
-        if id(node) in type_only or not isinstance(node, ast.ImportFrom) or node.level != 1:
+        if id(node) in type_only or not isinstance(node, ast.ImportFrom) or node.level == 0:
             continue
-        if node.module:  # from ._graph import GraphRunner
-            found.add(node.module)
-        else:  # from . import _errors, _tree
-            found.update(alias.name for alias in node.names)
+        where = _resolve(name, is_package, node.level, node.module)
+        for alias in node.names:
+            # from .._values import tree as _tree: a module; from .replay import MISS: a name
+            submodule = f"{where}.{alias.name}" if where else alias.name
+            found.add(submodule if submodule in modules else where)
     return found
 
 
+def _graph() -> dict[str, set[str]]:
+    paths = sorted(PACKAGE.rglob("*.py"))
+    modules = {_name(p) for p in paths}
+    return {_name(p): _package_imports(p, modules) for p in paths}
+
+
+def test_the_import_walk_resolves_relative_imports() -> None:
+    graph = _graph()
+    assert {"_call.replay", "_capture.sharing", "_compat"} <= graph["_call.module"]
+    assert "_values.tree" in graph["_call.replay"]  # from .._values import tree as _tree
+    assert "_compat" in graph["_capture.backend"]  # from .. import _compat
+    assert "_call.module" in graph[""]  # from ._call.module import CudaGraphModule
+    assert graph["_call"] == set()  # a subpackage's __init__.py imports nothing
+
+
 def test_no_import_cycle() -> None:
-    graph = {p.stem: _package_imports(p) for p in PACKAGE.glob("*.py")}
-    assert graph["_replay"] and graph["_module"]  # the walk sees the imports
+    graph = _graph()
 
     def reaches(start: str, goal: str, seen: set[str]) -> bool:
         for module in graph.get(start, ()):
@@ -47,6 +86,22 @@ def test_no_import_cycle() -> None:
 
     cycles = sorted(module for module in graph if reaches(module, module, set()))
     assert cycles == []
+
+
+def test_the_top_level_holds_the_subpackages() -> None:
+    # The layout shows the architecture: a new module goes into the subpackage of its
+    # concern (docs/architecture.md), not beside them.
+    entries = {p.name for p in PACKAGE.iterdir() if p.name != "__pycache__"}
+    assert entries == TOP_LEVEL | SUBPACKAGES
+    for subpackage in SUBPACKAGES:
+        init = PACKAGE / subpackage / "__init__.py"
+        tree = ast.parse(init.read_text())
+        # A docstring that says the concern, and nothing imported: importing a module of a
+        # subpackage runs only that module's own imports.
+        assert ast.get_docstring(tree), subpackage
+        assert not any(isinstance(n, ast.Import | ast.ImportFrom) for n in ast.walk(tree))
+        nested = [p for p in (PACKAGE / subpackage).iterdir() if p.is_dir()]
+        assert [p.name for p in nested if p.name != "__pycache__"] == []
 
 
 @pytest.mark.parametrize("name", sorted(set(cudagraph_td.__all__) - {"__version__"}))
@@ -74,11 +129,15 @@ def _private(name: str) -> bool:
 
 def _own_names(paths: list[pathlib.Path]) -> tuple[set[str], set[str]]:
     """The package's own private attribute names (assigned to ``self`` or ``cls``, defined
-    in a class), and its own modules and classes, whose private names it may use."""
+    in a class), and its own modules (by the names its relative imports give them, such as
+    ``_tree`` for ``from .._values import tree as _tree``) and classes, whose private names
+    it may use."""
     attributes, owners = set(), {p.stem for p in paths}
     for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef):
+            if isinstance(node, ast.ImportFrom) and node.level > 0 and node.module is None:
+                owners.update(alias.asname or alias.name for alias in node.names)
+            elif isinstance(node, ast.ClassDef):
                 owners.add(node.name)
                 for stmt in node.body:
                     if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef):

@@ -547,7 +547,7 @@ def test_a_list_of_samples_must_hold_tuples() -> None:
 def test_a_failed_capture_of_graphed_callables_says_what_to_do() -> None:
     # What a capture failure of `make_graphed_callables` says (its CUDA path): no wrapper to
     # call again, no `reset()`.
-    from cudagraph_td import _errors
+    from cudagraph_td._errors import inputs as _errors
 
     err = _errors.capture_failure(
         "make_graphed_callables(f)", "capture the forward graph", ValueError("bad")

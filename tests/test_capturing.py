@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cudagraph_td import CudaGraphModule, make_graphed_callables
-from cudagraph_td._capturing import capturing
+from cudagraph_td._emulation.capturing import capturing
 
 from .conftest import run_threads
 

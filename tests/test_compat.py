@@ -94,7 +94,7 @@ print("ok")
 @requires_cuda
 def test_pool_blocks_lists_the_allocated_blocks_of_one_pool() -> None:
     # `pool_blocks` reads `torch.cuda.memory_snapshot(mempool_id=...)`; the workspace logic
-    # of `_sharing` tells from it whether a clear freed its workspaces. In a process of its
+    # of `_capture.sharing` tells from it whether a clear freed its workspaces. In a process of its
     # own: in the GPU suite, the next test's setup once crashed after it (see the stop note).
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run(
@@ -208,7 +208,7 @@ def test_module_hooks_lists_the_registered_kinds() -> None:
 
 
 def test_the_recorder_sees_operations_and_the_writes_they_declare() -> None:
-    # `_recording` relies on a dispatch mode seeing each ATen operation with its tensors,
+    # `_emulation.recording` relies on a dispatch mode seeing each ATen operation with its tensors,
     # and on a schema's alias information marking the arguments an operation writes.
     seen: list[Any] = []
 
@@ -233,8 +233,8 @@ def test_the_recorder_sees_operations_and_the_writes_they_declare() -> None:
 
 
 def test_default_device_set_sees_both_ways_of_setting_one() -> None:
-    # `_host_calls` treats a factory without `device=` as a CPU tensor only when no default
-    # device is set: torch's function mode stack holds a `DeviceContext` while one is.
+    # `_emulation.host_calls` treats a factory without `device=` as a CPU tensor only when no
+    # default device is set: torch's function mode stack holds a `DeviceContext` while one is.
     assert not _compat.default_device_set()
     with torch.device("cpu"):
         assert _compat.default_device_set()
@@ -318,7 +318,7 @@ def test_capturable_on_cpu_lets_only_its_own_thread_step_on_the_cpu() -> None:
 
 
 def test_tensordict_set_replaces_an_entry_unchecked() -> None:
-    # `_tree` sets a TensorDict rebuilt from an entry back in its place.
+    # `_values.tree` sets a TensorDict rebuilt from an entry back in its place.
     td = TensorDict(a=TensorDict(b=torch.zeros(2), batch_size=[2]), batch_size=[2])
     new = TensorDict(b=torch.ones(2), batch_size=[2])
     _compat.td_set(td, "a", new)
@@ -328,7 +328,7 @@ def test_tensordict_set_replaces_an_entry_unchecked() -> None:
 
 
 def test_module_dicts_are_the_live_dicts_that_assignments_update() -> None:
-    # `_state` follows a module's state through these dicts: it reads what the module holds
+    # `_state.state` follows a module's state through these dicts: it reads what the module holds
     # now, after `module.name = ...` or `del module.name`, from the dict it listed at capture.
     net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
     children, linear = _compat.module_children(net), net[0]

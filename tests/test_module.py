@@ -339,7 +339,7 @@ def test_several_outputs_are_fresh_either_way(
 ) -> None:
     # Several outputs come back as views of one new buffer per dtype (small, contiguous
     # results) or as one clone each (large results, or any non-contiguous output).
-    from cudagraph_td import _outputs
+    from cudagraph_td._values import outputs as _outputs
 
     monkeypatch.setattr(_outputs, "_PACK_LIMIT_BYTES", limit)
 

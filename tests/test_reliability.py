@@ -158,7 +158,7 @@ def test_wrappers_sharing_a_pool_replay_in_capture_order_or_any_other() -> None:
 def test_a_wrapper_uses_and_returns_its_memory() -> None:
     net = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 8)).cuda()
     x = torch.randn(128, 64, device="cuda")
-    # The device's shared cuBLAS workspace (see `_sharing`) is made once for every wrapper:
+    # The device's shared cuBLAS workspace (see `_capture.sharing`) is made once for every wrapper:
     # a first wrapper makes sure it exists, so that the second one is measured alone.
     first = CudaGraphModule(net, warmup=2)
     with torch.no_grad():

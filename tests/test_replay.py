@@ -19,9 +19,10 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
 
-from cudagraph_td import InputMismatchError, _replay
-from cudagraph_td._autograd import DifferentiableCall
-from cudagraph_td._signature import Signature
+from cudagraph_td import InputMismatchError
+from cudagraph_td._call import replay as _replay
+from cudagraph_td._capture.autograd import DifferentiableCall
+from cudagraph_td._values.signature import Signature
 
 from .conftest import Backend, current_runner
 

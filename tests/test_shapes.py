@@ -322,7 +322,7 @@ def test_tensorclass_inputs_are_padded_and_counted(backend: Backend) -> None:
     assert infos[(4,)].padded == pytest.approx(2 / 12)
 
 
-# Padding checked, not assumed (see `_row_check`): functions whose rows depend on each other.
+# Padding checked, not assumed (see `_shapes.row_check`): functions whose rows depend on each other.
 ROW_DEPENDENT = {
     "centred": lambda x: x - x.mean(0, keepdim=True),
     "softmax-over-the-batch": lambda x: torch.softmax(x, dim=0),

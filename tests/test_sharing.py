@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from cudagraph_td import CudaGraphModule, _sharing
+from cudagraph_td import CudaGraphModule
+from cudagraph_td._capture import sharing as _sharing
 
 from .conftest import requires_cuda, run_threads
 

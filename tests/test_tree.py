@@ -11,7 +11,7 @@ import pytest
 import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, tensorclass
 
-from cudagraph_td import _tree
+from cudagraph_td._values import tree as _tree
 
 from .conftest import Backend
 
@@ -106,7 +106,8 @@ def test_torch_global_pytree_registry_is_untouched() -> None:
         from tests.test_tree import _call_tree
         before = dict(pytree.SUPPORTED_NODES)
         before_optree = optree.register_pytree_node.get(namespace="")
-        from cudagraph_td import CudaGraphModule, _tree
+        from cudagraph_td import CudaGraphModule
+        from cudagraph_td._values import tree as _tree
         _tree.flatten(_call_tree())
         graphed = CudaGraphModule(lambda td: td["obs"] * 2, warmup=1, backend="emulate")
         td = tensordict.TensorDict(obs=torch.zeros(3), batch_size=[3])
@@ -133,7 +134,8 @@ def test_a_lazy_stack_in_the_first_call_of_a_process() -> None:
         import torch
         from tensordict import LazyStackedTensorDict, TensorDict
         from tensordict.nn import TensorDictModule
-        from cudagraph_td import CudaGraphModule, _tree
+        from cudagraph_td import CudaGraphModule
+        from cudagraph_td._values import tree as _tree
         def lazy():
             return LazyStackedTensorDict(
                 TensorDict(x=torch.zeros(2)), TensorDict(x=torch.ones(2)), stack_dim=0

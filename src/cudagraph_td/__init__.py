@@ -1,18 +1,18 @@
 """CUDA graphs made easy and safe for PyTorch and TensorDict users."""
 
+from ._call.module import CudaGraphModule as CudaGraphModule
+from ._call.verify import VerificationError as VerificationError
+from ._capture.graphed_callables import make_graphed_callables as make_graphed_callables
+from ._capture.sharing import capture_stream as capture_stream
 from ._compat import capturable_on_cpu as capturable_on_cpu
-from ._errors import InputKeyError as InputKeyError
-from ._errors import InputMismatchError as InputMismatchError
-from ._errors_shapes import GraphLimitWarning as GraphLimitWarning
-from ._graphed_callables import make_graphed_callables as make_graphed_callables
-from ._module import CudaGraphModule as CudaGraphModule
-from ._shape_options import Buckets as Buckets
-from ._shape_options import Exact as Exact
-from ._shape_options import Static as Static
-from ._shapes import GraphInfo as GraphInfo
-from ._sharing import capture_stream as capture_stream
-from ._state import RecaptureWarning as RecaptureWarning
-from ._verify import VerificationError as VerificationError
+from ._errors.inputs import InputKeyError as InputKeyError
+from ._errors.inputs import InputMismatchError as InputMismatchError
+from ._errors.shapes import GraphLimitWarning as GraphLimitWarning
+from ._shapes.graphs import GraphInfo as GraphInfo
+from ._shapes.options import Buckets as Buckets
+from ._shapes.options import Exact as Exact
+from ._shapes.options import Static as Static
+from ._state.state import RecaptureWarning as RecaptureWarning
 from ._version import __version__ as __version__
 
 __all__ = [

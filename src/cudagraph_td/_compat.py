@@ -29,7 +29,7 @@ from torch.overrides import _get_current_function_mode_stack as _function_modes
 from torch.utils._device import DeviceContext
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
 
-# --- torch: the CPU emulation's recorder (`_recording`, `_host_calls`) ---------------------
+# --- torch: the CPU emulation's recorder (`_emulation.recording`, `_emulation.host_calls`) --
 
 below_autograd: Callable[[], Any] = torch._C._AutoDispatchBelowAutograd
 """A context that runs ATen operations below autograd (``torch._C._AutoDispatchBelowAutograd``):
@@ -60,7 +60,7 @@ def _aten(name: str) -> Any:
 
 
 # The underscored ATen operations that the recorder refuses or inspects, as a CUDA capture
-# would (see `_recording`). Checked; if one is gone: `None`, and its check is lost.
+# would (see `_emulation.recording`). Checked; if one is gone: `None`, and its check is lost.
 aten_local_scalar_dense = _aten("_local_scalar_dense")
 """What ``.item()`` (and ``bool()``, ``float()`` of a tensor) dispatches: a host read."""
 aten_unique = _aten("_unique")
@@ -167,7 +167,7 @@ def end_allocate_to_pool(device: torch.device, pool: Any) -> None:
     ``CUDAGraph.capture_end`` ends it after ending the capture; when ending the capture
     fails (the function broke it), torch raises first and the allocator keeps the pool
     among the captures under way (the pool itself still refuses another capture, torch
-    2.11: see `_backend.SharedPool`). ``torch._C._cuda_endAllocateToPool``: no public
+    2.11: see `_capture.backend.SharedPool`). ``torch._C._cuda_endAllocateToPool``: no public
     function does it. Checked (CUDA builds; a test on the GPU says whether torch still
     leaves it); if gone: nothing is done.
     """
@@ -191,7 +191,7 @@ module_children: Callable[[torch.nn.Module], dict[str, Any]] = operator.attrgett
 """A module's own submodules, in the dict that ``nn.Module`` keeps them in (``_modules``).
 
 The dict itself, not a copy: ``module.name = other`` replaces its entry, ``del module.name``
-removes it, and the dict stays the same object, so that the state around a graph (`_state`)
+removes it, and the dict stays the same object, so that the state around a graph (`_state.state`)
 reads through it what the module holds now. ``named_children()`` copies, and skips
 ``None``. The same for ``module_parameters`` (``_parameters``) and ``module_buffers``
 (``_buffers``). Checked; if gone: none."""

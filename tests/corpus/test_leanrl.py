@@ -162,9 +162,9 @@ def check(
 def _end_failed_captures(wrappers: list[Any], device: torch.device) -> None:
     """Undo what a capture that failed inside ``torch.cuda.graph`` (tensordict's class
     captures with it) leaves behind on torch 2.13, for the tests that follow, as the library
-    does for its own (`_backend.CudaBackend._end_failed_capture`): the allocator still routes
-    the capture stream's allocations to the graph's pool, and the CUDA generator is still
-    marked as capturing (the next random operation would fail)."""
+    does for its own (`_capture.backend.CudaBackend._end_failed_capture`): the allocator
+    still routes the capture stream's allocations to the graph's pool, and the CUDA generator
+    is still marked as capturing (the next random operation would fail)."""
     for wrapper in wrappers:
         graph = getattr(wrapper, "graph", None)
         if graph is not None:

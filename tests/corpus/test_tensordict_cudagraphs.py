@@ -142,7 +142,7 @@ def _as_upstream(backend: Backend) -> Iterator[None]:
     torch._dynamo.reset()
     try:
         # A block, not `torch.set_default_device`, whose undoing would leave a CPU default
-        # set (which the emulation reads: see `_host_calls`) for the tests that follow.
+        # set (which the emulation reads: see `_emulation.host_calls`) for the tests that follow.
         with torch.device(backend.device) if backend.name == "cuda" else contextlib.nullcontext():
             yield
     finally:

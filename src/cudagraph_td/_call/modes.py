@@ -1,0 +1,59 @@
+"""The mode of a call: what changes what the function computes, and so needs graphs of its own.
+
+tensordict's interaction type (a stochastic policy captured while sampling must not replay its
+samples when called for its mode), grad mode (a graph captured for autograd under grad mode, a
+plain one under no_grad), a module's training mode (dropout), and the autocast state (None when
+autocast is off everywhere, else each device type's ``(enabled, dtype)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._compat import any_autocast_enabled, interaction_type
+
+Mode = tuple[Any, bool, Any, Any]
+
+_AUTOCAST_DEVICES = ("cuda", "cpu")
+
+# Read at every call, so bound once.
+any_autocast = any_autocast_enabled
+
+
+def autocast_state() -> Any:
+    """The autocast part of a mode: None when autocast is off on every device."""
+    if not any_autocast():
+        return None
+    return tuple(
+        (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        for device in _AUTOCAST_DEVICES
+    )
+
+
+def current_mode(module: Any) -> Mode:
+    """The mode of a call of ``module`` now."""
+    training = getattr(module, "training", None)
+    return (interaction_type(), torch.is_grad_enabled(), training, autocast_state())
+
+
+def mode_name(mode: Mode, device: Any = None) -> str:
+    """A mode as ``repr`` and ``graphs()`` show it, e.g. ``no_grad, eval``; with ``device``
+    (for a wrapper with graphs on several), e.g. ``no_grad, eval, cuda:1``."""
+    interaction, grad, training, autocast = mode
+    parts = ["grad" if grad else "no_grad"]
+    if training is not None:
+        parts.append("train" if training else "eval")
+    if interaction is not None:
+        parts.append(f"interaction {interaction}")
+    if autocast is not None:
+        enabled = [
+            f"{device} {str(dtype).removeprefix('torch.')}"
+            for device, (on, dtype) in zip(_AUTOCAST_DEVICES, autocast, strict=True)
+            if on
+        ]
+        parts.append(f"autocast {', '.join(enabled)}")
+    if device is not None:
+        parts.append(str(device))
+    return ", ".join(parts)

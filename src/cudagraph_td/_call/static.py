@@ -1,0 +1,147 @@
+"""Static arguments: declared non-tensor arguments whose value picks a graph (``static=``).
+
+A graph replays the Python values of its capture, so a bool that selects a branch (torchrl's
+TD3 passes ``update(batch, update_actor)``) needs one graph per value. ``StaticArgs`` reads the
+declared arguments of a call, by position or by name, into the part of the wrapper's graph
+key that holds them; each value's graph then warms up and is captured on first sight. Only
+the slow path reads them: the replay path compares a call's constants with its graph's and
+takes the slow path for another value.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
+
+import torch
+
+from .._errors import inputs as _errors
+
+
+class _Default(enum.Enum):
+    """A declared argument that the call leaves to its default."""
+
+    DEFAULT = "default"
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+DEFAULT = _Default.DEFAULT
+
+
+class StaticArgs:
+    """The declared static arguments of a wrapped function: ``static`` holds positions
+    (``int``) and parameter names (``str``); a name is also found at its position when the
+    function's signature has it there."""
+
+    def __init__(self, name: str, fn: Callable[..., Any], static: Any):
+        entries = (static,) if isinstance(static, int | str) else static
+        if not isinstance(entries, tuple | list) or not all(
+            isinstance(e, str) or (isinstance(e, int) and not isinstance(e, bool) and e >= 0)
+            for e in entries
+        ):
+            raise _errors.invalid_option(
+                "static", static, "a tuple of argument positions (int) and names (str)"
+            )
+        self.name = name
+        parameters = _parameters(fn)
+        self.entries: list[tuple[int | None, str | None]] = []
+        for entry in dict.fromkeys(entries):
+            if isinstance(entry, int):
+                self.entries.append((entry, None))
+                continue
+            if parameters is not None and entry not in parameters[0] and not parameters[1]:
+                raise ValueError(
+                    f"{name}(static=...): the function has no argument named {entry!r} (its "
+                    f"arguments: {', '.join(parameters[0]) or 'none'})."
+                )
+            position = parameters[0].get(entry) if parameters is not None else None
+            self.entries.append((position, entry))
+
+    def key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Hashable, ...]:
+        """The call's values of the declared arguments, each with its type (``1`` and
+        ``True`` are different graphs), or ``DEFAULT`` for one the call leaves out.
+
+        Raises:
+            TypeError: A declared argument is a tensor, or a value that cannot be hashed.
+        """
+        key: list[Hashable] = []
+        for value, where in self._found(args, kwargs):
+            if value is DEFAULT:
+                key.append(DEFAULT)
+                continue
+            path = f'kwargs["{where}"]' if isinstance(where, str) else f"args[{where}]"
+            if isinstance(value, torch.Tensor) or _is_tensordict(value):
+                raise TypeError(
+                    f"{self.name}: the static argument {path} is a {type(value).__name__}: "
+                    "static arguments are Python values (bools, numbers, strings, enums) "
+                    "that pick a graph. Pass tensors as ordinary arguments."
+                )
+            try:
+                hash(value)
+            except TypeError:
+                raise TypeError(
+                    f"{self.name}: the static argument {path} = {value!r} cannot be hashed, "
+                    "so it cannot pick a graph. Pass a bool, number, string, enum or tuple."
+                ) from None
+            key.append((type(value), value))
+        return tuple(key)
+
+    def values(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Hashable, ...]:
+        """``key`` unchecked, for the graph table (see `_call.table`): the slow path's ``key``
+        raises the errors of a value that cannot pick a graph."""
+        return tuple(
+            DEFAULT if value is DEFAULT else (type(value), value)
+            for value, _ in self._found(args, kwargs)
+        )
+
+    def _found(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Iterator[tuple[Any, str | int | None]]:
+        """Each declared argument's value in the call (``DEFAULT`` if left out), with where
+        it was found: its keyword, or its position."""
+        for position, keyword in self.entries:
+            if keyword is not None and keyword in kwargs:
+                yield kwargs[keyword], keyword
+            elif position is not None and position < len(args):
+                yield args[position], position
+            else:
+                yield DEFAULT, None
+
+    def shown(self, key: tuple[Hashable, ...]) -> str:
+        """The values of a graph's static arguments, as ``graphs()`` and ``repr`` show them."""
+        parts = []
+        for (position, keyword), item in zip(self.entries, key, strict=True):
+            label = keyword if keyword is not None else f"args[{position}]"
+            value = item if item is DEFAULT else item[1]  # type: ignore[index]
+            parts.append(f"{label}={value!r}")
+        return ", ".join(parts)
+
+
+def _parameters(fn: Callable[..., Any]) -> tuple[dict[str, int | None], bool] | None:
+    """The function's parameters: each name's position (None for keyword-only), and whether
+    it takes ``**kwargs``; None when the signature cannot be read."""
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+    names: dict[str, int | None] = {}
+    position = 0
+    for parameter in signature.parameters.values():
+        if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+            names[parameter.name] = position
+            position += 1
+        elif parameter.kind is parameter.KEYWORD_ONLY:
+            names[parameter.name] = None
+    has_var_keyword = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+    return names, has_var_keyword
+
+
+def _is_tensordict(value: Any) -> bool:
+    from tensordict import TensorDictBase
+
+    return isinstance(value, TensorDictBase)

@@ -1,0 +1,107 @@
+"""The graph table: the replay path of every kind of call a wrapper has seen, one lookup away.
+
+A call's *key* is what picks its graph before its inputs are read: its mode (tensordict's
+interaction type, grad mode, the module's training mode, the autocast state: see `_call.modes`)
+and, where the wrapper keeps several graphs per mode, the shapes of its arguments
+(``shapes="exact"`` and ``"buckets"``: a TensorDict's is its batch size) and the values of
+its static arguments (see `_call.static`). The table maps each key to the replay paths
+(`_call.replay.ReplayPath`) of the graphs that answered calls of that key on the slow path,
+most recent first: usually one; two when calls that the key does not tell apart (another
+device, a TensorDict's entries of other shapes) take other graphs. A call whose key is in
+the table replays at once; any other takes the wrapper's slow path, which answers it and
+teaches the table its key (``learn``).
+
+Nothing in a key is checked here: each replay path checks the call in full (structure,
+shapes, dtypes, devices, the state it reads) and answers ``MISS`` for a call it cannot
+replay, which the slow path then answers and explains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from .._compat import interaction_type
+from .modes import any_autocast, autocast_state
+from .replay import ReplayPath
+from .static import StaticArgs
+
+Args = tuple[Any, ...]
+Kwargs = dict[str, Any]
+
+# Read at every call, so bound once.
+_is_grad_enabled = torch.is_grad_enabled
+
+# The most replay paths kept per key (calls of one key that take other graphs).
+PATHS_PER_KEY = 4
+
+
+def call_shapes(args: Args, kwargs: Kwargs) -> tuple[Any, ...]:
+    """The shapes of a call's arguments, by position then by keyword (None for one without)."""
+    shapes = [getattr(a, "shape", None) for a in args]
+    if kwargs:
+        shapes.extend((name, getattr(v, "shape", None)) for name, v in kwargs.items())
+    return tuple(shapes)
+
+
+class GraphTable:
+    """The replay paths of a wrapper's graphs, by the key of the calls they answered.
+
+    ``module``: the wrapped function or module (its ``training`` flag is part of the
+    mode); ``by_shapes``: whether a mode has a graph per shape (``"exact"``, ``"buckets"``);
+    ``static``: the static arguments, if any (their values pick graphs too).
+    """
+
+    def __init__(self, module: Any, by_shapes: bool, static: StaticArgs | None):
+        self._module = module if hasattr(module, "training") else None
+        self._by_shapes = by_shapes
+        self._static = static
+        self._paths: dict[Hashable, tuple[ReplayPath, ...]] = {}
+
+    def key(self, args: Args, kwargs: Kwargs) -> Hashable:
+        """The key of a call now."""
+        module = self._module
+        key: Hashable = (
+            interaction_type(),
+            _is_grad_enabled(),
+            None if module is None else module.training,
+            autocast_state() if any_autocast() else None,
+        )
+        if self._by_shapes:
+            key = (key, call_shapes(args, kwargs))
+        if self._static is not None:
+            key = (key, self._static.values(args, kwargs))
+        return key
+
+    def find(self, args: Args, kwargs: Kwargs) -> tuple[ReplayPath, ...]:
+        """The replay paths for a call like this one (none for a key never seen)."""
+        try:
+            return self._paths[self.key(args, kwargs)]
+        except (KeyError, TypeError):  # a key never seen, or a static value not hashable
+            return ()
+
+    def learn(self, key: Hashable, path: ReplayPath) -> None:
+        """Give calls of ``key`` the replay path ``path`` first. A path whose graph was
+        captured again (a replaced parameter) leaves every key: it would keep the old graph
+        and its buffers alive."""
+        known = self._paths.get(key, ())
+        if known and known[0] is path:
+            return
+        if any(not p.alive() for paths in self._paths.values() for p in paths):
+            self._paths = {
+                k: live
+                for k, paths in self._paths.items()
+                if (live := tuple(p for p in paths if p.alive()))
+            }
+            known = self._paths.get(key, ())
+        rest = tuple(p for p in known if p is not path)
+        self._paths[key] = (path, *rest)[:PATHS_PER_KEY]
+
+    def clear(self) -> None:
+        self._paths.clear()
+
+    def paths(self) -> list[ReplayPath]:
+        """Every replay path in the table, once each (for introspection and tests)."""
+        return list({id(p): p for paths in self._paths.values() for p in paths}.values())

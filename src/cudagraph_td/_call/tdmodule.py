@@ -1,0 +1,270 @@
+"""The TensorDict-module layer: ``in_keys`` and ``out_keys``, keyword calls, writes into the input.
+
+A TensorDictModule reads its ``in_keys`` from a TensorDict, writes its ``out_keys`` into it,
+and returns it. ``TensorDictLayer`` gives a captured module the same behaviour: it
+accepts a TensorDict or keyword tensors named by the ``in_keys`` (through tensordict's own
+``dispatch``), feeds the graph only the ``in_keys`` entries (other
+entries are ignored, as the module ignores them), and writes the entries that the module
+wrote into the caller's TensorDict (or ``tensordict_out``), which it returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, unravel_key
+from tensordict.base import is_tensor_collection
+from tensordict.nn import dispatch
+
+from .._errors import inputs as _errors
+from .._values import tree as _tree
+from .replay import Captured, IntoTensorDict, Keywords, OutKeyValues, Route, TensorDictEntries
+
+
+class Runner(Protocol):
+    """What runs the module's graphs (`_shapes.graphs.Graphs`): the layer calls it, and reads
+    whether a graph is captured."""
+
+    @property
+    def captured(self) -> Captured | None: ...
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
+
+
+class _WroteInput:
+    """Marks a result as "the module returned its input TensorDict, with these writes"."""
+
+    def __repr__(self) -> str:
+        return "<the module's input TensorDict>"
+
+
+WROTE_INPUT = _WroteInput()
+
+
+def resolve_keys(name: str, module: Any, in_keys: Any, out_keys: Any) -> tuple[Any, Any]:
+    """The keys a wrapper uses: the module's own when it has them, as tensordict does.
+
+    Keys given as arguments that differ from the module's are ignored with a warning.
+    """
+    for attr, given in (("in_keys", in_keys), ("out_keys", out_keys)):
+        own = getattr(module, attr, None)
+        if own is not None and given and _as_keys(given) != _as_keys(own):
+            warnings.warn(
+                f"{name} ignores {attr}={given!r} because the module has its own "
+                f"{attr}={own!r}, which it uses instead. Leave {attr} unset to silence this "
+                "warning.",
+                UserWarning,
+                stacklevel=4,
+            )
+    in_keys = getattr(module, "in_keys", in_keys)
+    out_keys = getattr(module, "out_keys", out_keys)
+    if out_keys is None and in_keys is not None:
+        out_keys = []
+    return in_keys, out_keys
+
+
+def _as_keys(keys: Any) -> list[Any]:
+    keys = [keys] if isinstance(keys, str) else list(keys)
+    return [unravel_key(key) for key in keys]
+
+
+def recording_writes(module: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a TensorDict module so that "returned its input" becomes an explicit result.
+
+    When ``module(td, ...)`` returns ``td`` itself, the wrapper returns
+    ``(WROTE_INPUT, entries)``, where ``entries`` holds the entries that the call wrote
+    (new keys, and keys rebound to other tensors, such as a recurrent state). The graph then
+    treats them as outputs, returned in fresh memory at each replay.
+    """
+
+    def call(td: Any, *args: Any, **kwargs: Any) -> Any:
+        before = dict(td.items(include_nested=True, leaves_only=True))
+        out = module(td, *args, **kwargs)
+        if out is not td:
+            return out
+        written = [
+            key
+            for key, value in td.items(include_nested=True, leaves_only=True)
+            if before.get(key) is not value
+        ]
+        return (WROTE_INPUT, td.select(*written))
+
+    return call
+
+
+class TensorDictLayer:
+    """Calls a graph with a TensorDict's ``in_keys`` entries, as a TensorDictModule is called.
+
+    ``call`` is the full call, for a graph's warm-up, capture and slow path; ``routes``
+    gives the replay path's readers and writers for the two common calls, ``module(td)`` and
+    ``module(**tensors)``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        in_keys: Sequence[Any],
+        out_keys: Sequence[Any],
+        *,
+        module_reads_in_keys: bool = True,
+    ):
+        self.name = name
+        self.in_keys = [unravel_key(key) for key in in_keys]
+        self.out_keys = [unravel_key(key) for key in out_keys]
+        # A module with in_keys of its own (a TensorDictModule) reads every one of them: a
+        # call without one fails before the warm-up, with the error the module would raise.
+        # A function given in_keys reads what it reads, as in eager mode (and tensordict's
+        # class): an in_key that its TensorDicts never hold is no error.
+        self._checks_in_keys = module_reads_in_keys
+        # tensordict's own dispatch turns keyword tensors into a TensorDict and the result
+        # into the out_keys' values, exactly as a TensorDictModule's forward does. Without
+        # in_keys there is nothing to dispatch: the function takes a TensorDict.
+        self._dispatched: Callable[..., Any] = self._call
+        if self.in_keys:
+            # Not the bound method: tensordict 0.14 skips a method's first parameter when it
+            # looks for the one named `tensordict`, and finds `*args`.
+            self._dispatched = dispatch(
+                source=list(in_keys), dest=list(out_keys), auto_batch_size=False
+            )(functools.partial(TensorDictLayer._call, self))
+
+    def call(self, runner: Runner, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Call the module's graph, whose stage ``runner`` runs, as the module is called."""
+        # The runner goes through dispatch as a keyword that no in_key can be named, with
+        # whether the call is one of keyword tensors (dispatch makes their TensorDict).
+        # Positional tensors are in_keys values too (dispatch makes their TensorDict, of
+        # batch size []), as keyword tensors are: the same graph as a TensorDict call's.
+        keywords = "tensordict" not in kwargs and not any(map(is_tensor_collection, args))
+        return self._dispatched(*args, **kwargs, **{_RUNNER: (runner, keywords)})
+
+    def _call(self, tensordict: Any, *args: Any, **kwargs: Any) -> Any:
+        runner, keywords = kwargs.pop(_RUNNER)
+        tensordict_out: TensorDictBase | None = kwargs.pop("tensordict_out", None)
+        if not is_tensor_collection(tensordict):
+            raise _errors.not_a_tensordict(self.name, self.in_keys, tensordict)
+        inputs = tensordict
+        if self.in_keys:
+            # After the capture, the full check refuses a call that lacks an entry the
+            # graph reads.
+            if runner.captured is None and self._checks_in_keys:
+                keys = tensordict.keys(include_nested=True, leaves_only=False)
+                missing = [key for key in self.in_keys if key not in keys]
+                if missing:
+                    raise _errors.missing_in_keys(self.name, missing)
+            inputs = _batched_as_out(tensordict.select(*self.in_keys, strict=False), tensordict_out)
+            if runner.captured is not None:
+                inputs = _batched_as_captured(inputs, runner.captured, keywords)
+                inputs = _laid_out_as_captured(inputs, runner.captured)
+        elif tensordict_out is not None:
+            # A function that writes into its input writes into a copy, whose entries then
+            # go to `tensordict_out`: the caller's TensorDict is left as it was.
+            inputs = _batched_as_out(tensordict.copy(), tensordict_out)
+        out = runner.run((inputs, *args), kwargs)
+        target = tensordict if tensordict_out is None else tensordict_out
+        if isinstance(out, tuple) and len(out) == 2 and out[0] is WROTE_INPUT:
+            return target.update(out[1])
+        if tensordict_out is not None and is_tensor_collection(out):
+            return tensordict_out.update(out)
+        return out
+
+    def routes(self, captured: Captured) -> list[Route]:
+        """The replay path's routes for a graph of ``module(td)`` that wrote into ``td``.
+
+        ``module(td)``: the ``in_keys`` entries read by key, the written entries set into
+        ``td``. ``module(**tensors)``, for a graph captured with a TensorDict of batch size
+        ``[]`` (what a keyword call builds): the keyword tensors read by name (nested keys
+        joined with ``"_"``, as tensordict's dispatch does), the out_keys' values returned.
+        None for any other graph: every call takes the full call.
+        """
+        signature, outputs = captured.signature, captured.outputs
+        if signature.static_kwargs or len(signature.static_args) != 1:
+            return []
+        selected = signature.static_args[0]
+        result = outputs.rebuild(outputs.static)
+        if type(selected) is not TensorDict or not (
+            isinstance(result, tuple) and len(result) == 2 and result[0] is WROTE_INPUT
+        ):
+            return []
+        in_paths = _tensor_keys(selected)
+        out_paths = _tensor_keys(result[1])
+        # Read by key, the in_keys must be the graph's inputs: each one a tensor.
+        in_keys = {_key_tuple(key) for key in self.in_keys}
+        if in_paths is None or out_paths is None or set(in_paths) != in_keys:
+            return []
+        routes: list[Route] = [
+            (TensorDictEntries(in_paths, selected.batch_size), IntoTensorDict(out_paths))
+        ]
+        # The out-key "_" marks an output that is not returned, as in tensordict.
+        returned = [_key_tuple(key) for key in self.out_keys if key != "_"]
+        if all(key in out_paths for key in returned):  # read by name, whatever the batch
+            names = ["_".join(key) for key in in_paths]
+            indices = [out_paths.index(key) for key in returned]
+            routes.append((Keywords(names), OutKeyValues(indices)))
+        return routes
+
+
+_RUNNER = "_cudagraph_td_runner"
+
+
+def _batched_as_out(inputs: Any, tensordict_out: TensorDictBase | None) -> Any:
+    """``inputs`` (a new TensorDict) with ``tensordict_out``'s batch size when that is a
+    prefix of theirs, as a TensorDictModule writes its outputs into ``tensordict_out``: a
+    loss or metrics (scalars) written into ``TensorDict()`` (LeanRL's PPO update), which the
+    inputs' batch size would refuse."""
+    if tensordict_out is not None:
+        batch_size = tensordict_out.batch_size
+        if inputs.batch_size[: len(batch_size)] == batch_size:
+            inputs.batch_size = batch_size
+    return inputs
+
+
+def _batched_as_captured(inputs: Any, captured: Captured, keywords: bool) -> Any:
+    """The ``in_keys`` entries of a call, with the batch size of the graph's TensorDict when
+    the call's lacks one: a graph captured from ``module(td)`` also answers keyword calls
+    (whose TensorDict, made by dispatch, has batch size ``[]``), and one captured from a
+    keyword call answers ``module(td)``. The module reads the same tensors either way;
+    entries that do not fit the captured batch size keep theirs, for the full check."""
+    static = captured.signature.static_args
+    batch_size = static[0].batch_size if static and is_tensor_collection(static[0]) else None
+    if batch_size is None or inputs.batch_size == batch_size:
+        return inputs
+    if keywords or batch_size == ():
+        with contextlib.suppress(RuntimeError):  # entries of other shapes: the check says
+            inputs.batch_size = batch_size
+    return inputs
+
+
+def _laid_out_as_captured(inputs: Any, captured: Captured) -> Any:
+    """The ``in_keys`` entries of a call in the layout of the graph's TensorDict: a graph
+    captured on a lazy stack replays a dense TensorDict's entries (unbound into one per
+    stacked TensorDict: views, no copy), and a graph captured on a dense TensorDict a lazy
+    stack's (stacked: a copy). The module reads the same entries either way, as it does
+    eagerly. Other layouts, and entries that do not fit, are left to the full check."""
+    static = captured.signature.static_args
+    layout = static[0] if static and is_tensor_collection(static[0]) else None
+    if layout is None or type(inputs) is type(layout):
+        return inputs
+    with contextlib.suppress(RuntimeError, ValueError):  # the full check says what differs
+        if type(layout) is LazyStackedTensorDict and type(inputs) is TensorDict:
+            dim = layout.stack_dim
+            if inputs.batch_size == layout.batch_size:
+                return LazyStackedTensorDict(*inputs.unbind(dim), stack_dim=dim)
+        elif type(layout) is TensorDict and type(inputs) is LazyStackedTensorDict:
+            return inputs.to_tensordict()
+    return inputs
+
+
+def _key_tuple(key: Any) -> tuple[str, ...]:
+    return (key,) if isinstance(key, str) else tuple(key)
+
+
+def _tensor_keys(td: Any) -> list[tuple[str, ...]] | None:
+    """The keys of the leaves of ``td`` in flattening order, or None if one is not a tensor."""
+    leaves, _ = _tree.flatten(td)
+    if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        return None
+    return [tuple(key) for key in _tree.leaf_keys(td)]

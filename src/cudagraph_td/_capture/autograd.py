@@ -1,0 +1,419 @@
+"""The autograd core: a forward graph and its backward graph inside one autograd node.
+
+A differentiable call is captured twice: its forward, and the backward of that forward
+(``torch.autograd.grad`` of its outputs that require grad with respect to its inputs that
+require grad and to the leaves it reads, such as parameters). ``_GraphedFunction``
+replays the first in its ``forward`` and the second in its ``backward``, so that autograd
+sees one node whose gradients equal the eager ones. Gradients are returned in fresh memory:
+two backward passes accumulate as in eager mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from .._compat import foreach_copy_, graph_replay
+from .._errors import inputs as _errors
+from .._state.state import State
+from .._values import tree as _tree
+from .._values.aliasing import WrittenInputs, versions, written
+from .._values.outputs import FreshCopies, Outputs
+from .._values.signature import Signature
+from . import sharing as _sharing
+from .backend import Backend, CudaBackend, Graph
+
+
+def _leaves_requiring_grad(
+    outputs: Sequence[torch.Tensor], stop: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """The leaf tensors that require grad and that ``outputs`` depend on, except ``stop``.
+
+    The walk follows the autograd graph from the outputs to its ``AccumulateGrad`` nodes; it
+    does not go past the nodes of the tensors in ``stop`` (the call's own inputs).
+    """
+    stop_ids = {id(t) for t in stop}
+    stop_nodes = {t.grad_fn for t in stop if t.grad_fn is not None}
+    found: dict[int, torch.Tensor] = {}
+    seen: set[Any] = set()
+    pending: list[Any] = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    pending += [o for o in outputs if o.grad_fn is None and o.requires_grad]  # leaf outputs
+    while pending:
+        node = pending.pop()
+        if isinstance(node, torch.Tensor):
+            if id(node) not in stop_ids:
+                found.setdefault(id(node), node)
+            continue
+        if node in seen or node in stop_nodes:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):  # an AccumulateGrad node: a leaf
+            if id(variable) not in stop_ids:
+                found.setdefault(id(variable), variable)
+            continue
+        pending.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+    return list(found.values())
+
+
+class _GraphedFunction(torch.autograd.Function):
+    """``forward`` replays the forward graph, ``backward`` the backward graph."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, call: DifferentiableCall, ungraded: tuple[str, ...], *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        n = len(call.static_inputs)
+        if n:
+            foreach_copy_(call.static_inputs, inputs[:n])
+        if call.order is not None:  # after the device's last replay: they share a workspace
+            call.order.keep()
+        call.replay_forward()
+        call.generation += 1
+        ctx.call, ctx.generation, ctx.ungraded = call, call.generation, ungraded
+        outputs = tuple(t.detach().clone() for t in call.outputs.static)
+        # Inputs that require grad where the samples did not (see `DifferentiableCall.ungraded`)
+        # may reach any output, as in eager mode: all stay differentiable, as torch's are.
+        if call.non_differentiable and not ungraded:
+            ctx.mark_non_differentiable(*(outputs[i] for i in call.non_differentiable))
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        call: DifferentiableCall = ctx.call
+        if ctx.ungraded:
+            raise _errors.ungraded_backward(call.name, ctx.ungraded)
+        if torch.is_grad_enabled():
+            raise _errors.double_backward(call.name)
+        if ctx.generation != call.generation:
+            raise _errors.stale_backward(call.name)
+        with torch.no_grad():
+            foreach_copy_(call.static_grad_outputs, [grads[i] for i in call.differentiable])
+        if call.order is not None:  # the forward's stream, which another may have followed
+            call.order.keep()
+        call.replay_backward()
+        # Fresh memory: gradients accumulated over two backward passes must not alias. Made
+        # by one allocation and one multi-tensor copy where they are small (see `FreshCopies`).
+        made = iter(call.fresh_grads.make())
+        fresh = [None if g is None else next(made) for g in call.static_grad_inputs]
+        return (None, None, *(None if slot < 0 else fresh[slot] for slot in call.grad_slots))
+
+
+class ForwardGraph(NamedTuple):
+    """A captured forward: its graph, outputs, and the tensors its backward reads."""
+
+    graph: Graph
+    outputs: Outputs
+    differentiable: list[int]  # the outputs that require grad, by index
+    saved: list[torch.Tensor]  # what the forward saved for the backward, held alive
+
+
+class BackwardGraph(NamedTuple):
+    """A captured backward: its graph, and its static gradient buffers."""
+
+    graph: Graph
+    grad_outputs: list[torch.Tensor]  # the incoming gradients, one per differentiable output
+    grad_inputs: tuple[torch.Tensor | None, ...]  # the computed ones, per surface tensor
+    grad_slots: list[int]  # for each input of the node, its slot in grad_inputs, or -1
+
+
+class DifferentiableCall:
+    """A call captured for autograd: a launch replays the forward inside an autograd node."""
+
+    training_step = False
+    # A launch goes through the autograd node.
+    bare: tuple[list[torch.Tensor], torch.Tensor, Callable[[], None]] | None = None
+
+    def __init__(
+        self,
+        name: str,
+        signature: Signature,
+        mutated: list[int],
+        params: list[torch.Tensor],
+        forward: ForwardGraph,
+        backward: BackwardGraph,
+        state: State | None,
+        order: _sharing.ReplayOrder | None = None,
+    ):
+        self.name = name
+        self.order = order  # the device's replay order (see `_capture.sharing`); None off CUDA
+        self.signature = signature
+        self.state = state
+        self.static_inputs = signature.static_inputs
+        self.params = params
+        self.outputs = forward.outputs
+        self.differentiable = forward.differentiable
+        n_outputs = len(forward.outputs.static)
+        self.non_differentiable = [i for i in range(n_outputs) if i not in forward.differentiable]
+        self.replay_forward = graph_replay(forward.graph)
+        self.replay_backward = graph_replay(backward.graph)
+        self.static_grad_outputs = backward.grad_outputs
+        self.static_grad_inputs = backward.grad_inputs
+        computed = [g for g in backward.grad_inputs if g is not None]
+        device = computed[0].device if computed else torch.device("cpu")
+        self.fresh_grads = FreshCopies(computed, device)
+        self.grad_slots = backward.grad_slots
+        self.generation = 0  # the number of forwards replayed: a backward must be the last's
+        self._graphs = (forward.graph, backward.graph)  # held for the life of the call
+        self._saved = forward.saved
+        # The inputs that the forward writes in place, copied back to the caller's tensors;
+        # a call where another input shares their memory is refused (see `_values.aliasing`).
+        self._writes = WrittenInputs(signature, mutated)
+
+    def launch(
+        self, tensors: Sequence[torch.Tensor], ungraded: tuple[str, ...] = ()
+    ) -> Sequence[torch.Tensor]:
+        """Replay the forward on ``tensors`` (checked) inside the autograd node, whose
+        backward refuses to run if ``ungraded`` names inputs (see ``ungraded``)."""
+        if self._writes.indices:  # decided at capture: a graph that writes no input checks nothing
+            return self._launch_writing(tensors, ungraded)
+        return _GraphedFunction.apply(self, ungraded, *tensors, *self.params)  # type: ignore[no-any-return]
+
+    def _launch_writing(
+        self, tensors: Sequence[torch.Tensor], ungraded: tuple[str, ...]
+    ) -> Sequence[torch.Tensor]:
+        """``launch`` for a forward that writes into inputs: refused, before anything is
+        copied, if another input shares their memory; their new values reach the caller, as
+        in eager mode."""
+        self._writes.check(tensors)
+        outputs = _GraphedFunction.apply(self, ungraded, *tensors, *self.params)
+        with torch.no_grad():
+            self._writes.copy_back(tensors)
+        return outputs  # type: ignore[no-any-return]
+
+    def ungraded(self, tensors: Sequence[torch.Tensor]) -> tuple[str, ...]:
+        """The paths of ``tensors`` that require grad where the captured inputs did not.
+
+        torch's ``make_graphed_callables`` replays such a call, its outputs attached to its
+        autograd node, whose backward gives those inputs no gradient (``None``, or an error
+        where no backward graph was captured). The forward replays here too, and the
+        backward, which cannot compute their gradients, raises.
+        """
+        if not torch.is_grad_enabled():  # no autograd node: nothing is differentiated
+            return ()
+        paths = self.signature.tensor_paths()
+        return tuple(
+            paths[i]
+            for i, (t, static) in enumerate(zip(tensors, self.static_inputs, strict=True))
+            if t.requires_grad and not static.requires_grad
+        )
+
+
+def _differentiable_leaves(tree: Any) -> list[torch.Tensor]:
+    leaves, _ = _tree.flatten(tree)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+
+
+class Capture:
+    """Captures one callable for autograd: warm-up, then its forward, then its backward graph.
+
+    Several captures that share a memory pool record their forwards in order and their
+    backwards in reverse order, as their replays will run.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        signature: Signature,
+        backend: Backend,
+        mutated: list[int],
+        allow_unused_input: bool,
+    ):
+        self.name = name
+        self.fn = fn
+        self.backend = backend
+        self.signature = signature
+        self.allow_unused_input = allow_unused_input
+        # The inputs that the forward writes in place: read from the static inputs once the
+        # forward has run on them (see `_values.aliasing`), else ``mutated``, an eager run's.
+        self.mutated = mutated
+        self._versions = versions(signature.static_inputs)
+        self._ran = False  # whether the forward ran on the static inputs
+        self.call: DifferentiableCall | None = None  # built by capture_backward
+        self._forward: ForwardGraph | None = None
+        self.grad_inputs = [i for i, t in enumerate(signature.static_inputs) if t.requires_grad]
+        self.example: Any = None  # an eager result, detached: its shapes, for the emulation
+        self.requires_grad: list[bool] | None = None  # which of its tensors require grad
+        self.example_grads: tuple[torch.Tensor | None, ...] | None = None
+        self._params: list[torch.Tensor] | None = None
+        self._latest: Any = None  # the outputs of the last forward run, for the backward
+
+    @property
+    def surface(self) -> list[torch.Tensor]:
+        """What the backward differentiates with respect to: inputs, then other leaves."""
+        assert self._params is not None
+        return [self.signature.static_inputs[i] for i in self.grad_inputs] + self._params
+
+    def _discover_params(self, outputs: Any, inputs: Sequence[torch.Tensor]) -> None:
+        # The leaves that the outputs depend on, other than the call's inputs: the module's
+        # parameters, or any tensor a function reads from its enclosing scope.
+        if self._params is None:
+            self._params = _leaves_requiring_grad(_differentiable_leaves(outputs), inputs)
+
+    def _run_forward(self) -> Any:
+        self._ran = True
+        args, kwargs = self.signature.static_tree()
+        self._latest = self.fn(*args, **kwargs)
+        return self._latest
+
+    def _run_backward(
+        self, grad_outputs: Sequence[torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor | None, ...]:
+        outputs = _differentiable_leaves(self._latest)
+        surface = self.surface
+        if not outputs or not surface:  # nothing to differentiate: an empty backward
+            return (None,) * len(surface)
+        if grad_outputs is None:
+            grad_outputs = [torch.ones_like(o) for o in outputs]
+        # retain_graph: the emulation and a user's `retain_graph=True` may run it again.
+        grads = torch.autograd.grad(
+            outputs, surface, grad_outputs=grad_outputs, retain_graph=True, allow_unused=True
+        )
+        return tuple(grads)
+
+    def _keep_example(self, example: Any) -> None:
+        # Keep no autograd graph of an eager run alive: the capture must create its own.
+        leaves, spec = _tree.flatten(example)
+        self.requires_grad = [
+            leaf.requires_grad for leaf in leaves if isinstance(leaf, torch.Tensor)
+        ]
+        detached = [leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        self.example = _tree.unflatten(spec, detached)
+
+    def warmup(self, iterations: int) -> None:
+        """Run forward and backward eagerly on the static inputs, before the capture."""
+        for _ in range(iterations):
+            example = self.backend.warmup(self._run_forward)
+            self._discover_params(example, self.signature.static_inputs)
+            self.example_grads = self.backend.warmup(self._run_backward)
+            self._keep_example(example)
+            del example
+        self._latest = None
+        self._check_unused()
+
+    def warmup_backward(self, example: Any, inputs: Sequence[torch.Tensor]) -> None:
+        """Run the backward of an eager result on ``inputs`` (the caller's), before the capture.
+
+        The result keeps its autograd graph: the caller may still run its backward.
+        """
+        self._keep_example(example)
+        self._discover_params(example, inputs)
+        assert self._params is not None
+        outputs = _differentiable_leaves(example)
+        surface = [inputs[i] for i in self.grad_inputs] + self._params
+        grads = self.backend.warmup(
+            lambda: torch.autograd.grad(
+                outputs,
+                surface,
+                grad_outputs=[torch.ones_like(o) for o in outputs],
+                retain_graph=True,
+                allow_unused=True,
+            )
+        )
+        self.example_grads = tuple(grads)
+        self._check_unused()
+
+    def _check_unused(self) -> None:
+        if self.allow_unused_input or self.example_grads is None:
+            return
+        paths = self.signature.tensor_paths()
+        for slot, i in enumerate(self.grad_inputs):
+            if self.example_grads[slot] is None:
+                raise _errors.unused_input(self.name, paths[i])
+
+    def capture_forward(self) -> None:
+        # Hold every tensor that the forward saves for its backward: once the capture is
+        # done, the autograd graph is dropped (see capture_backward), and the memory that
+        # the backward graph reads must stay allocated, never reused by a later capture.
+        saved: list[torch.Tensor] = []
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            # The memory, without the autograd graph behind it: a saved output packed as
+            # itself would form a cycle with its own node and keep the graph alive. The
+            # captured backward reads only the data (double backward is refused).
+            detached = t.detach()
+            saved.append(detached)
+            return detached
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                graph, static_out = self.backend.capture(self._run_forward, like=self.example)
+        except Exception as err:
+            raise _errors.capture_failure(
+                self.name, "capture the forward graph", err, device=self.backend.device
+            ) from err
+        # On CUDA the recorded outputs carry the autograd graph; the emulation's are buffers.
+        self._discover_params(static_out, self.signature.static_inputs)
+        if self.requires_grad is None:  # no warm-up: the recorded outputs tell
+            self.requires_grad = [
+                leaf.requires_grad
+                for leaf in _tree.flatten(static_out)[0]
+                if isinstance(leaf, torch.Tensor)
+            ]
+        outputs = Outputs(self.name, static_out, self.backend.device, allow_grad=True)
+        differentiable = [i for i, r in enumerate(self.requires_grad) if r]
+        self._forward = ForwardGraph(graph, outputs, differentiable, saved)
+
+    def capture_backward(self, state: State | None = None) -> DifferentiableCall:
+        """Capture the backward of the captured forward; return the complete call, which
+        follows ``state`` (see `_state.state`)."""
+        forward = self._forward
+        assert forward is not None and self._params is not None
+        static_outputs = forward.outputs.static
+        with torch.no_grad():
+            grad_outputs = [torch.empty_like(static_outputs[i]) for i in forward.differentiable]
+        try:
+            graph, grads = self.backend.capture(
+                lambda: self._run_backward(grad_outputs), like=self.example_grads
+            )
+        except Exception as err:
+            raise _errors.capture_failure(
+                self.name,
+                "capture the backward graph",
+                err,
+                device=self.backend.device,
+            ) from err
+        # Drop the recorded autograd graph: the graphs replay without it, and its gradient
+        # accumulators, tied to the capture stream, would make autograd synchronise (and
+        # warn) at every backward on the caller's stream.
+        self._latest = None
+        forward.outputs.static = [t.detach() for t in static_outputs]
+        del static_outputs
+        assert grads is not None
+        slots = [-1] * len(self.signature.static_inputs)
+        for slot, i in enumerate(self.grad_inputs):
+            slots[i] = slot
+        slots += [len(self.grad_inputs) + k for k in range(len(self._params))]
+        backward = BackwardGraph(graph, grad_outputs, tuple(grads), slots)
+        order = None
+        if isinstance(self.backend, CudaBackend):
+            order = _sharing.replay_order(self.backend.device.index)
+        mutated = self.mutated
+        if self._ran:
+            mutated = written(self.signature.static_inputs, self._versions)
+        self.call = DifferentiableCall(
+            self.name, self.signature, mutated, self._params, forward, backward, state, order
+        )
+        self._forward = None
+        return self.call
+
+
+def capture_differentiable(
+    name: str,
+    fn: Callable[..., Any],
+    signature: Signature,
+    backend: Backend,
+    example: Any,
+    inputs: list[torch.Tensor],
+    mutated: list[int],
+    state: Callable[[], State | None],
+) -> DifferentiableCall:
+    """Capture ``fn`` for autograd, from ``example``, its eager result on ``inputs``; the
+    call follows the ``state()`` found once the forward is captured."""
+    capture = Capture(name, fn, signature, backend, mutated, allow_unused_input=True)
+    capture.warmup_backward(example, inputs)
+    capture.capture_forward()
+    return capture.capture_backward(state())

@@ -1,0 +1,267 @@
+"""A graph's life: warm-up calls, the capture, then replays.
+
+``GraphRunner`` runs a function through the stages of one graph. ``capture`` records
+the call that ends the warm-up: a plain graph (``GraphCall``) or, when the result needs
+gradients, a forward and a backward graph inside an autograd node (see `_capture.autograd`). Either
+is a complete captured call (`_call.replay.Captured`) that the replay path launches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from .._call import replay as _replay
+from .._compat import capturable_on_cpu, foreach_copy_, graph_replay
+from .._errors import inputs as _errors
+from .._errors import state as _errors_state
+from .._state import training as _training
+from .._state.state import State
+from .._values import tree as _tree
+from .._values.aliasing import WrittenInputs, versions, written
+from .._values.outputs import Outputs
+from .._values.signature import Signature, validate
+from .autograd import capture_differentiable
+from .backend import Backend, Graph
+
+
+class GraphCall:
+    """A plain captured graph (no autograd): its signature, its outputs, how to launch it."""
+
+    def __init__(
+        self,
+        signature: Signature,
+        graph: Graph,
+        outputs: Outputs,
+        mutated: list[int],
+        watch: _training.Watch | None,
+        state: State | None,
+    ):
+        self.signature = signature
+        self.state = state
+        self.graph = graph
+        self.outputs = outputs
+        self.training_step = watch is not None
+        self._watch = watch
+        self._static_inputs = signature.static_inputs
+        self._replay = graph_replay(graph)
+        # The inputs that the function writes in place, copied back to the caller's tensors;
+        # a call where another input shares their memory is refused (see `_values.aliasing`).
+        self._writes = WrittenInputs(signature, mutated)
+        self._fresh = outputs.copies.make
+        # One tensor in and one out, nothing else to do: the replay path launches it itself.
+        one = len(self._static_inputs) == 1 and len(outputs.static) == 1
+        self.bare: tuple[list[torch.Tensor], torch.Tensor, Callable[[], None]] | None = None
+        if one and not mutated and watch is None:
+            self.bare = (self._static_inputs, outputs.static[0], self._replay)
+
+    def rows(self, signature: Signature, outputs: Outputs) -> GraphCall:
+        """This graph replayed on fewer rows: ``signature``'s static inputs and ``outputs``'
+        static tensors are views of the first rows of this graph's (a bucket's graph)."""
+        mutated = self._writes.indices
+        return GraphCall(signature, self.graph, outputs, mutated, self._watch, self.state)
+
+    def launch(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """Copy ``tensors`` (checked) into the static inputs, replay, return fresh outputs."""
+        if self._watch is not None:  # a training step: its gradients and hyperparameters
+            self._watch()
+        if self._writes.indices:  # decided at capture: a graph that writes no input checks nothing
+            return self._launch_writing(tensors)
+        if tensors:
+            foreach_copy_(self._static_inputs, tensors)  # type: ignore[arg-type]
+        self._replay()
+        return self._fresh()
+
+    def _launch_writing(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """``launch`` for a graph that writes into inputs: refused, before anything is copied,
+        if another input shares their memory; their new values reach the caller, as in eager."""
+        self._writes.check(tensors)
+        foreach_copy_(self._static_inputs, tensors)  # type: ignore[arg-type]
+        self._replay()
+        self._writes.copy_back(tensors)
+        return self._fresh()
+
+
+def capture(
+    name: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    backend: Backend,
+) -> tuple[_replay.Captured, Any]:
+    """Capture ``fn(*args, **kwargs)``; return the captured call and this call's result.
+
+    The call runs ``fn`` eagerly once, on the caller's inputs, for its result and its
+    effects; the capture that follows only records kernels. When grad mode is on and the
+    result requires grad, the graph is captured for autograd (forward and backward).
+    """
+    grad = torch.is_grad_enabled()
+    signature = Signature(name, args, kwargs, backend.device, allow_grad=grad)
+    inputs = signature.read(args, kwargs)
+    assert inputs is not None
+    before = versions(inputs)
+    observed = _training.Observation(fn)
+    try:
+        result = backend.warmup(lambda: fn(*args, **kwargs))
+    except Exception as err:
+        raise _errors.capture_failure(
+            name, "run the capturing call", err, device=backend.device
+        ) from err
+    if observed.after_eager_run() and grad and (path := _path_requiring_grad(result)):
+        raise _errors_state.step_output_requires_grad(name, path)
+    # The function wrote into these inputs (their version counters moved): each replay
+    # copies them back to the caller's tensors. The caller's tensors may share a version
+    # counter (one tensor passed twice, views of one): the graph's own copies, which the
+    # capture runs the function on, tell which ones the graph writes (see `_values.aliasing`).
+    mutated = written(inputs, before)
+    if grad and _path_requiring_grad(result):
+        # Autograd holds the parameters it differentiates: they are followed by identity too.
+        follow = functools.partial(observed.state, name, identity=True)
+        call = capture_differentiable(
+            name, fn, signature, backend.for_autograd(), result, inputs, mutated, follow
+        )
+        return call, result
+    for t, path in zip(signature.static_inputs, signature.tensor_paths(), strict=True):
+        if t.requires_grad:
+            raise _errors.requires_grad(name, path)
+
+    def run_static() -> Any:
+        # Fresh containers at each run, so that keys written into an input TensorDict by one
+        # (emulated) run are not inputs of the next, as on CUDA where the function runs once.
+        static_args, static_kwargs = signature.static_tree()
+        return fn(*static_args, **static_kwargs)
+
+    static_versions = versions(signature.static_inputs)
+    try:
+        graph, static_out = observed.record(lambda: backend.capture(run_static, like=result))
+    except Exception as err:
+        raise _errors.capture_failure(
+            name, "capture the graph", err, device=backend.device
+        ) from err
+    # Read from the graph's own copies, which count versions for inference tensors too (made
+    # under `torch.inference_mode()`); an emulated DDP step, whose capture runs nothing,
+    # keeps the eager run's.
+    if not backend.reruns_python:
+        mutated = written(signature.static_inputs, static_versions)
+    outputs = Outputs(name, static_out, backend.device)
+    watch = observed.watch(name)
+    if watch is not None and backend.reruns_python:
+        graph = _training.PinnedGrads(graph, watch)
+    # A training step's optimizers hold its parameters: followed by identity too.
+    state = observed.state(name, identity=watch is not None)
+    return GraphCall(signature, graph, outputs, mutated, watch, state), result
+
+
+def _path_requiring_grad(tree: Any) -> str | None:
+    """The path of the first output tensor that requires grad, if any."""
+    for path, leaf in _tree.leaves_with_paths(tree, root="output"):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            return path
+    return None
+
+
+# One warm-up or capture at a time in the process: a capture admits no other thread's
+# allocations (nor, in the "global" mode, their synchronisations). Re-entrant: a function
+# may call another wrapper while it is warmed up or captured.
+_CAPTURE_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def capture_turn(lock: Any = None) -> Iterator[None]:
+    """Hold the capture lock: the one lock under which a wrapper's function runs.
+
+    ``lock`` is the wrappers' replay lock (`_capture.sharing.REPLAY_LOCK`), which the calling thread
+    holds once. When another thread holds the capture lock, this thread waits for it without
+    holding ``lock``: the other thread's function may call a wrapper, and would otherwise
+    wait for this thread, which waits for it. The wrapper's state may then have moved on
+    while this thread waited (the other thread may have warmed it up or captured it).
+    """
+    if not _CAPTURE_LOCK.acquire(blocking=False):
+        if lock is not None:
+            lock.release()
+        try:
+            _CAPTURE_LOCK.acquire()
+        finally:
+            if lock is not None:
+                lock.acquire()
+    try:
+        yield
+    finally:
+        _CAPTURE_LOCK.release()
+
+
+class GraphRunner:
+    """The life of one graph: warm-up calls, the capture, then replays.
+
+    ``runner.run(args, kwargs)`` calls ``fn(*args, **kwargs)`` as the current stage requires:
+    calls ``1 … warmup-1`` run it eagerly through the backend, call ``warmup`` captures it,
+    later calls replay the graph through the slow path (`_call.replay.call`); the owner's fast
+    path is built from ``captured``. ``make_backend(args, kwargs)`` makes the backend on the
+    first call, from its inputs; ``None`` means no graph at all: every call runs ``fn``.
+    The runner holds no reference to the wrapper that owns it, so that dropping the wrapper
+    frees the graph at once, without waiting for the garbage collector.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        warmup: int,
+        make_backend: Callable[[tuple[Any, ...], dict[str, Any]], Backend] | None,
+        lock: Any = None,
+    ):
+        self.name = name
+        self.lock = lock  # the owner's lock, held by the thread that calls `run`
+        self.fn = fn
+        self.warmup = warmup
+        self.make_backend = make_backend
+        self.backend: Backend | None = None
+        self.counter = 0
+        self.captured: _replay.Captured | None = None
+
+    def skip_warmup(self) -> None:
+        """Capture at the next call: another graph's warm-ups did the lazy initialisations."""
+        self.counter = max(self.counter, self.warmup - 1)
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.captured is not None:
+            state = self.captured.state
+            if state is None or state.fresh():
+                return _replay.call(self.captured, args, kwargs)
+            # State the graph reads was replaced: a new capture, from the warm-up (a
+            # RecaptureWarning turned into an error refuses it, and the graph stays as it was).
+            state.recapture(self.name)
+            self.captured = self.backend = None
+            self.counter = 0
+        if self.make_backend is None:  # no CUDA: eager calls, capturable optimizers allowed
+            with capturable_on_cpu():  # so that a training step's code runs as on a GPU
+                return self.fn(*args, **kwargs)
+        return self._prepare(args, kwargs)
+
+    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with capture_turn(self.lock):
+            if self.captured is not None:  # captured by another thread while this one waited
+                return self.run(args, kwargs)
+            return self._prepare_locked(args, kwargs)
+
+    def _prepare_locked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        assert self.make_backend is not None
+        backend = self.backend or self.make_backend(args, kwargs)
+        self.backend = backend
+        if self.counter < self.warmup - 1:
+            validate(self.name, args, kwargs, backend.device, allow_grad=torch.is_grad_enabled())
+            stage = f"run warm-up call {self.counter + 1} of {self.warmup - 1}"
+            try:
+                result = backend.warmup(lambda: self.fn(*args, **kwargs))
+            except Exception as err:
+                raise _errors.capture_failure(self.name, stage, err, device=backend.device) from err
+            self.counter += 1
+            return result
+        self.captured, result = capture(self.name, self.fn, args, kwargs, backend)
+        self.counter += 1
+        return result

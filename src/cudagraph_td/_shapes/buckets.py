@@ -1,0 +1,179 @@
+"""``shapes="buckets"``: calls padded to a few batch sizes, each with a graph of its own.
+
+A call of ``n`` rows is padded to the next bucket size ``b`` (see `_shapes.padding`), and its result
+sliced back to ``n`` rows. Once the graph of ``b`` is captured, calls of ``n`` rows replay it
+through views of the first ``n`` rows of its buffers (``GraphCall.rows``): no padded copy,
+the replay path of any graph, and the padded rows keep rows of earlier calls (real values, as
+a padding must hold). With a list of buckets (or ``precapture``), the first capture captures
+them all, largest first, so that the smaller graphs reuse the largest one's memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._call import replay as _replay
+from .._call.replay import Captured
+from .._capture.graph import GraphCall, GraphRunner, capture_turn
+from .._errors import shapes as _errors_shapes
+from .._values.outputs import Outputs
+from .._values.signature import Signature
+from . import padding as _padding
+from .graphs import Graphs, exact_key
+from .row_check import check_rows
+
+
+class BucketGraphs(Graphs):
+    """The graphs of one mode, one per bucket size, chosen by the call's batch dims."""
+
+    _lead: GraphRunner | None = None  # the largest listed bucket's, while it warms up
+    # The buckets whose padding was checked (see `_shapes.row_check`), learned at the first call
+    # that each one pads.
+    _checked: frozenset[tuple[int, ...]] = frozenset()
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.replayed = self._served = None
+        options = self.options
+        batch = _padding.batch_of(self.name, args, kwargs, options.batch_dims)
+        size = _padding.bucket_for(batch, options.buckets)
+        own = size
+        if options.agreement is not None:  # every rank of a DDP step: the same graph
+            size = options.agreement.largest(size)
+        if size is None:  # above every bucket: this call's batch, or another rank's
+            return self._overflow(args, kwargs, batch, elsewhere=own is not None)
+        if torch.is_grad_enabled() and not options.row_independent:
+            raise _errors_shapes.padding_refused(self.name, "calls in grad mode")
+        self._check(size, batch, args, kwargs)
+        runner = self.runners.get(size)
+        if runner is not None and isinstance(runner.captured, GraphCall):
+            view = self._rows(size, runner.captured, batch, args, kwargs)
+            state = runner.captured.state
+            if view is not None and (state is None or state.fresh()):
+                out = _replay.call(view, args, kwargs)
+                self._replayed(size, view, _numel(batch), _numel(size))
+                return out
+        if runner is None:
+            group = self._group(size)
+            if len(group) > 1:
+                return self._capture_group(group, size, batch, args, kwargs)
+            if len(self.runners) >= options.max_graphs:
+                return self._overflow(args, kwargs, None)
+            runner = self.runners[size] = self._new_runner()
+        padded = _padding.resize(args, kwargs, size)
+        out = self._run(size, runner, *padded, _numel(batch), _numel(size))
+        self._refuse_training_step(size, runner)
+        self._answer(size, runner, batch, args, kwargs)
+        return _padding.rows(self.name, out, size, batch)
+
+    def _check(
+        self, size: tuple[int, ...], batch: tuple[int, ...], args: Any, kwargs: dict[str, Any]
+    ) -> None:
+        """The first time the bucket ``size`` pads a call, check that the function's rows
+        are independent of each other (see `_shapes.row_check`); not if the user says they are."""
+        options = self.options
+        if batch == size or size in self._checked or options.row_independent:
+            return
+        if options.agreement is None:  # a DDP step is a training step: refused anyway
+            with capture_turn(self._lock):  # the function runs only under it
+                check_rows(self.name, self._fn, args, kwargs, size, batch)
+        self._checked = self._checked | {size}
+
+    def _answer(
+        self,
+        size: tuple[int, ...],
+        runner: GraphRunner,
+        batch: tuple[int, ...],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        """Once a bucket's graph is captured, calls like this one take its replay path."""
+        if self._served is None and isinstance(runner.captured, GraphCall):
+            view = self._rows(size, runner.captured, batch, args, kwargs)
+            if view is not None:
+                self._served = (size, view, _numel(batch), _numel(size))
+
+    def _group(self, size: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """The buckets captured together with ``size``, largest first (so that the smaller
+        graphs reuse its memory): every listed one not captured yet (or, for ``precapture``,
+        every power of two up to ``size``); just ``size`` for more than one batch dim."""
+        if len(size) != 1 or not (self.options.buckets or self.precapturing):
+            return [size]
+        sizes = self.options.buckets or [1 << k for k in range(size[0].bit_length())]
+        return [(s,) for s in sorted(sizes, reverse=True) if (s,) not in self.runners]
+
+    def _capture_group(
+        self,
+        group: list[tuple[int, ...]],
+        size: tuple[int, ...],
+        batch: tuple[int, ...],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Warm up the largest graph of ``group`` on this call (padded); at its capture,
+        capture every graph of the group, largest first, and answer with this call's."""
+        self._check(group[0], batch, args, kwargs)  # its warm-ups pad the call to it
+        lead = self._lead = self._lead or self._new_runner()
+        if lead.counter < lead.warmup - 1:
+            out = lead.run(*_padding.resize(args, kwargs, group[0]))
+            return _padding.rows(self.name, out, group[0], batch)
+        self._lead = None
+        self.runners[group[0]] = lead
+        answer = None
+        for each in group:
+            runner = self.runners.setdefault(each, self._new_runner())
+            runner.skip_warmup()  # the largest's warm-ups did the lazy initialisations
+            out = runner.run(*_padding.resize(args, kwargs, each))
+            self._refuse_training_step(each, runner)
+            if each == size:
+                answer = _padding.rows(self.name, out, size, batch)
+                self._answer(size, runner, batch, args, kwargs)
+        return answer
+
+    def _refuse_training_step(self, size: tuple[int, ...], runner: GraphRunner) -> None:
+        captured = runner.captured
+        if captured is not None and captured.training_step and not self.options.row_independent:
+            del self.runners[size]
+            raise _errors_shapes.padding_refused(self.name, "a training step")
+
+    def _rows(
+        self,
+        size: tuple[int, ...],
+        captured: GraphCall,
+        batch: tuple[int, ...],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Captured | None:
+        """``captured`` (a bucket's graph) replayed on ``batch`` rows of its buffers, for calls
+        like this one; None if the call differs from the capture in more than its batch dims
+        (the padded call's full check then names the leaf)."""
+        # By the call's structure too: a TensorDict and keyword tensors read other rows.
+        where = (size, batch, exact_key(args, kwargs))
+        cached = self._views.get(where)
+        if cached is not None and cached[0] is captured:
+            return cached[1]
+        signature = captured.signature
+        if signature.diagnose(args, kwargs, shapes=False) is not None:
+            return None
+        dims = len(size)
+        index = tuple(slice(0, n) for n in batch)
+        heads = [t[index] for t in signature.static_inputs]
+        tensors = signature.tensors(args, kwargs)
+        for t, static in zip(tensors, signature.static_inputs, strict=True):
+            if t.shape[dims:] != static.shape[dims:]:
+                return None
+        device = signature.static_inputs[0].device if heads else torch.device("cpu")
+        rows_signature = Signature(self.name, args, kwargs, device, static_inputs=heads)
+        outputs = captured.outputs
+        result = _padding.rows(self.name, outputs.rebuild(outputs.static), size, batch)
+        view = captured.rows(rows_signature, Outputs(self.name, result, outputs.device))
+        self._views[where] = (captured, view)
+        return view
+
+
+def _numel(batch: tuple[int, ...]) -> int:
+    n = 1
+    for d in batch:
+        n *= d
+    return n

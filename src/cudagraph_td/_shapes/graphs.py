@@ -1,0 +1,340 @@
+"""Several shapes: the graphs of one mode of a wrapper, and the graph that each call replays.
+
+``shapes="static"`` keeps one graph. ``"exact"`` captures one graph per input signature (the
+shapes of the call's tensors), each on first sight with its own warm-up. ``"buckets"`` pads
+the batch dims of a call to the next bucket size (see `_shapes.buckets`).
+
+``Graphs`` holds the graphs of one mode. ``Graphs.run`` is the one place that picks
+a graph by the call's key. ``Graphs.replay`` is the mode's replay path: the one graph's,
+or a table from the shape of the call's first input to the replay path of the graph that
+served the last call of that shape (learned on the slow path, see ``Graphs.learn``).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
+
+import torch
+
+from .._call import replay as _replay
+from .._call.replay import Captured, ReplayPath
+from .._capture.graph import GraphRunner, capture_turn
+from .._errors import shapes as _errors_shapes
+from .._values import tree as _tree
+
+
+class ShapeOptions(NamedTuple):
+    """The shape options of a wrapper as the library reads them (users write a ``Static``,
+    ``Exact`` or ``Buckets``: see `_shapes.options`)."""
+
+    shapes: str = "static"
+    buckets: tuple[int, ...] | None = None
+    max_graphs: int = 8
+    batch_dims: int = 1
+    overflow: str = "eager"
+    row_independent: bool = False
+    # The ranks' agreement on each call's graph, for a DDP step (`_capture.distributed.Agreement`).
+    agreement: Any = None
+
+
+class GraphInfo(NamedTuple):
+    """One graph of a wrapper, as ``CudaGraphModule.graphs()`` lists it: the mode it
+    serves (grad mode, training mode, interaction type, autocast, the values of static
+    arguments), its key (None for ``shapes="static"``, the structure and input shapes for
+    ``"exact"``, the batch dims for ``"buckets"``), whether it is captured, the calls it
+    answered by a replay, and the fraction of the rows it replayed that were padding."""
+
+    mode: str  # the mode it serves: grad mode, training mode, interaction type, autocast
+    key: Any  # None ("static"), the input tensors' shapes ("exact"), the batch dims ("buckets")
+    captured: bool  # False while it warms up
+    replays: int  # the calls it answered by a replay
+    padded: float  # the fraction of the rows it replayed that were padding
+
+
+GraphInfo.__module__ = "cudagraph_td"  # where users import it from
+
+
+class Graphs:
+    """The graphs of one mode of a wrapper, chosen by the shapes of each call.
+
+    ``new_runner()`` makes the runner of a new graph; ``route(captured)`` gives the replay
+    path of a captured call (its readers and writers come from the wrapper);
+    ``settled(key)`` says whether the graph of ``key`` may take the replay path (not while
+    ``verify=`` still checks its replays); ``fn`` is the function, for the calls that no
+    graph answers.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        options: ShapeOptions,
+        new_runner: Callable[[], GraphRunner],
+        route: Callable[[Captured, GraphRunner, Captured], ReplayPath],
+        settled: Callable[[Hashable], bool],
+        fn: Callable[..., Any],
+        lock: Any,
+    ):
+        self.name = name
+        self._fn = fn
+        self.options = options
+        self.runners: dict[Hashable, GraphRunner] = {}
+        # The key and captured call of the graph whose replay answered the last call through
+        # `run`, else None (see verify=).
+        self.replayed: tuple[Hashable, Captured] | None = None
+        self.precapturing = False
+        self._new_runner = new_runner
+        self._route = route
+        self._settled = settled
+        self._lock = lock
+        self._served: tuple[Hashable, Captured, int, int] | None = None  # see `learn`
+        # Replays counted on the slow path, and per replay path: (key, rows, padded, count).
+        self._counts: list[tuple[Hashable, int, int, Tally | ReplayPath]] = []
+        self._slow: dict[tuple[Hashable, int, int], Tally] = {}
+        # The replay path of each captured call (a bucket's rows are calls of their own).
+        self._paths: dict[int, tuple[ReplayPath, Captured]] = {}
+        self._views: dict[Hashable, tuple[Captured, Captured]] = {}
+        self.overflow = Overflow(name, options)
+
+    @property
+    def captured(self) -> Captured | None:
+        """The one graph's captured call ("static"); None otherwise (for the TensorDict layer)."""
+        runner = self.runners.get(None) if self.options.shapes == "static" else None
+        return None if runner is None else runner.captured
+
+    def captured_any(self) -> bool:
+        return any(runner.captured is not None for runner in self.runners.values())
+
+    def counter(self) -> int:
+        """The calls before the first replay, of the graph that went furthest."""
+        return max((runner.counter for runner in self.runners.values()), default=0)
+
+    def stage(self) -> str:
+        """Where the graphs stand, for the wrapper's ``repr``."""
+        captured = sum(runner.captured is not None for runner in self.runners.values())
+        if self.options.shapes != "static":
+            return f"{captured} of {len(self.runners)} graphs captured"
+        if captured:
+            return "captured: calls replay the graph"
+        warmups = next(iter(self.runners.values())).warmup - 1 if self.runners else 0
+        return f"warming up: {self.counter()} of {warmups} warm-up calls done"
+
+    # Picking the graph ---------------------------------------------------------------------
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Warm up, capture or replay the call's graph (the one place that picks it)."""
+        self.replayed = self._served = None
+        shapes = self.options.shapes
+        key = None if shapes == "static" else exact_key(args, kwargs)
+        if key is not None and self.options.agreement is not None:
+            self.options.agreement.same(key, _shown(key))
+        runner = self.runners.get(key)
+        if runner is None:
+            if self.runners and shapes == "exact":
+                self._admit(args, kwargs)
+                if len(self.runners) >= self.options.max_graphs:
+                    return self._overflow(args, kwargs, None)
+            runner = self.runners[key] = self._new_runner()
+        return self._run(key, runner, args, kwargs, 1, 1)
+
+    def _run(
+        self,
+        key: Hashable,
+        runner: GraphRunner,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        rows: int,
+        padded_rows: int,
+    ) -> Any:
+        captured = runner.captured
+        out = runner.run(args, kwargs)
+        if captured is not None and runner.captured is captured:  # a replay
+            # A padded call's graph does not take calls of its rows on the replay path.
+            self._replayed(key, captured, rows, padded_rows, learn=rows == padded_rows)
+        elif runner.captured is not None and rows == padded_rows:  # captured by this call
+            self._served = (key, runner.captured, rows, padded_rows)
+        return out
+
+    def _replayed(
+        self, key: Hashable, captured: Captured, rows: int, padded_rows: int, learn: bool = True
+    ) -> None:
+        self.replayed = (key, captured)
+        if learn:
+            self._served = (key, captured, rows, padded_rows)
+        count = self._slow.get((key, rows, padded_rows))
+        if count is None:
+            count = self._slow[(key, rows, padded_rows)] = Tally()
+            self._counts.append((key, rows, padded_rows, count))
+        count.hits += 1
+
+    def _admit(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Raise if a call differs from the wrapper's graphs by more than its shapes."""
+        for runner in self.runners.values():
+            if runner.captured is not None:
+                error = runner.captured.signature.diagnose(args, kwargs, shapes=False)
+                if error is not None:
+                    raise error
+                return
+
+    def _overflow(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Any, *, elsewhere: bool = False
+    ) -> Any:
+        """A call past ``max_graphs`` or above the largest bucket (on this rank, or on
+        another rank of a DDP step: ``elsewhere``): eager, or an error."""
+        if batch is not None and self.options.overflow == "raise":
+            raise _errors_shapes.above_buckets(self.name, batch, self.options.buckets, elsewhere)
+        seen = [] if batch is not None else [_shown(k) for k in self.runners]
+        return self.overflow.call(
+            self._fn, args, kwargs, self._lock, seen if batch is None else None
+        )
+
+    # The replay path -----------------------------------------------------------------------
+
+    def learn(self) -> ReplayPath | None:
+        """The replay path of the graph that answered the last call by a replay, for the
+        wrapper's graph table to give calls like it (see `_call.table`); None if none did, or
+        while its replays take the slow path (verify=, a DDP step's agreement)."""
+        served = self._served
+        if served is None or self.options.agreement is not None:  # each call agrees first
+            return None
+        key, captured, rows, padded_rows = served
+        if not self._settled(key):
+            return None
+        known = self._paths.get(id(captured))
+        if known is None or known[1] is not captured:
+            self._forget_replaced()
+            runner = self.runners[key]
+            path = self._route(captured, runner, runner.captured or captured)
+            self._counts.append((key, rows, padded_rows, path))
+            known = self._paths[id(captured)] = (path, captured)
+        return known[0]
+
+    def _forget_replaced(self) -> None:
+        """Drop the replay paths and views of graphs captured again since (a replaced
+        parameter): they would keep the old graphs and their buffers alive."""
+        live = {id(runner.captured) for runner in self.runners.values()}
+        self._views = {k: v for k, v in self._views.items() if id(v[0]) in live}
+        live |= {id(view) for _, view in self._views.values()}
+        self._paths = {k: v for k, v in self._paths.items() if k in live}
+        # Their counts stay, without them.
+        for i, (key, rows, padded, count) in enumerate(self._counts):
+            if isinstance(count, ReplayPath) and not count.alive():
+                self._counts[i] = (key, rows, padded, Tally(count.hits))
+
+    # Introspection -------------------------------------------------------------------------
+
+    def infos(self, mode: str) -> list[GraphInfo]:
+        """The graphs of this mode."""
+        replays: dict[Hashable, int] = {}
+        rows: dict[Hashable, list[int]] = {}
+        for key, real, padded, count in self._counts:
+            replays[key] = replays.get(key, 0) + count.hits
+            total = rows.setdefault(key, [0, 0])
+            total[0] += count.hits * real
+            total[1] += count.hits * padded
+        infos = []
+        for key, runner in self.runners.items():
+            real, padded = rows.get(key, (0, 0))
+            fraction = 1 - real / padded if padded else 0.0
+            captured = runner.captured is not None
+            infos.append(GraphInfo(mode, _shown(key), captured, replays.get(key, 0), fraction))
+        return infos
+
+
+def _shown(key: Hashable) -> Any:
+    """A graph's key as users read it: for ``"exact"``, the input shapes alone."""
+    if isinstance(key, tuple) and len(key) == 2 and not isinstance(key[0], int):
+        return key[1]
+    return key
+
+
+def exact_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+    """The graph of a call with ``shapes="exact"``: its structure (TensorDict batch sizes
+    included), the shapes of its tensors and which require grad. Other differences
+    (dtypes, constants) are the errors of the graph's full check."""
+    leaves, spec = _tree.flatten((args, kwargs))
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    shapes = tuple(tuple(t.shape) for t in tensors)
+    if any(t.requires_grad for t in tensors):
+        shapes += (tuple(t.requires_grad for t in tensors),)
+    try:
+        hash(spec)
+    except TypeError:  # a node's metadata that is not hashable
+        return (str(spec), shapes)
+    return (spec, shapes)
+
+
+def make_graphs(
+    cls: type[Graphs],
+    name: str,
+    options: ShapeOptions,
+    new_runner: Callable[[], GraphRunner],
+    layer: Any,
+    verifier: Any,
+    mode: Hashable,
+    fn: Callable[..., Any],
+    lock: Any,
+) -> Graphs:
+    """The graphs of one mode (and device) of a wrapper, ``mode`` its key there. Nothing in
+    them refers to the wrapper, so that dropping it frees them at once, without the garbage
+    collector. ``cls``: `Graphs`, or its subclass for ``shapes="buckets"``."""
+    route = functools.partial(_route, layer)
+    settled = functools.partial(_settled, verifier, mode)
+    return cls(name, options, new_runner, route, settled, fn, lock)
+
+
+def _settled(verifier: Any, mode: Hashable, key: Hashable) -> bool:
+    """Whether a graph's replays may take the replay path: not while verify= checks them."""
+    return verifier is None or not verifier.wants((mode, key))
+
+
+def _route(layer: Any, captured: Captured, runner: GraphRunner, source: Captured) -> ReplayPath:
+    """The replay path of a captured call (``source``: the runner's graph it replays, which
+    ``captured`` is or views): its routes, from the TensorDict layer's readers and writers
+    for a TensorDict module, else the fastest for the call."""
+    routes = layer.routes(captured) if layer is not None else _replay.default_routes(captured)
+    return _replay.replay_path(captured, routes, source, runner)
+
+
+class Tally:
+    """The replays of one graph counted on the slow path (a `ReplayPath` counts its own)."""
+
+    def __init__(self, hits: int = 0):
+        self.hits = hits
+
+
+class Overflow:
+    """A call that no graph answers (past ``max_graphs`` graphs or static values, above the
+    largest bucket): the function run eagerly, after a warning (once), or an error."""
+
+    def __init__(self, name: str, options: ShapeOptions):
+        self.name = name
+        self.options = options
+        self.warned = False
+
+    def call(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        lock: Any,
+        seen: list[Any] | None,
+        what: str = "Shapes",
+        stacklevel: int = 6,
+    ) -> Any:
+        """Run ``fn`` for a call past the graphs ``seen`` (None: above the largest bucket,
+        whose error the caller raised), or raise if ``overflow="raise"``."""
+        options = self.options
+        if seen is not None:
+            message = _errors_shapes.too_many_graphs(
+                self.name, options.max_graphs, seen, options.overflow, what=what
+            )
+            if options.overflow == "raise":
+                raise RuntimeError(message)
+            if not self.warned:
+                self.warned = True
+                warnings.warn(message, _errors_shapes.GraphLimitWarning, stacklevel=stacklevel)
+        with capture_turn(lock):  # the wrapper's function runs only under it
+            return fn(*args, **kwargs)

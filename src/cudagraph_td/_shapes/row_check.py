@@ -1,0 +1,139 @@
+"""Padding checked, not assumed: whether a function's rows are independent of each other.
+
+``shapes="buckets"`` answers a call of ``n`` rows with a graph of ``b > n`` rows: its output
+rows ``:n`` are right only if each depends on its own input row alone. A mean, a softmax or a
+normalisation over the batch, or a module that updates state from the batch (a
+``BatchNorm``'s running statistics in training mode), gives silently wrong rows, or moves
+state with the padding. So, the first time a bucket pads a call (unless the user declared
+``Buckets(row_independent=True)``), `check_rows` runs the function eagerly twice on that
+call padded to the bucket: with the padding of a replay, then with other values in the
+padded rows, each from the same random state. The real rows of the two results must agree;
+the state the function reaches must not move (else it is put back). Slow path only, once per
+bucket: two eager calls and a comparison on the host; the replay path pays nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._errors import shapes as _errors_shapes
+from .._state import training as _training
+from .._state.state import module_entries
+from .._values import tree as _tree
+from . import padding as _padding
+
+# How close the real rows of the two runs must be: the same kernels on the same shapes give
+# the same bits, up to the order of atomic additions in a few of them.
+_RTOL, _ATOL = 1e-4, 1e-5
+
+
+def check_rows(
+    name: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    size: tuple[int, ...],
+    batch: tuple[int, ...],
+) -> None:
+    """Raise if ``fn``'s output rows ``batch`` depend on the rows padded up to ``size``, or
+    if it updates the state it reaches in place (that state is restored first).
+
+    The caller holds the capture turn (`_capture.graph.capture_turn`): the function runs only
+    under it.
+
+    Raises:
+        RuntimeError: The rows depend on each other, or the function updates module state.
+    """
+    padded = _padding.resize(args, kwargs, size)
+    other = _other_padding(padded, batch)
+    if other is None:  # no floating-point input whose padded rows could differ
+        return
+    state = _StateSnapshot(fn)
+    rng = _rng_state()
+    try:
+        with torch.no_grad():
+            first = fn(*padded[0], **padded[1])
+            _set_rng_state(rng)
+            try:
+                second = fn(*other[0], **other[1])
+            except Exception:  # values it refuses in the padded rows: the check is moot
+                second = None
+    finally:
+        _set_rng_state(rng)  # the check draws no random numbers of the caller's
+        written = state.restore_written()
+    if written:
+        raise _errors_shapes.padding_moves_state(name, written)
+    if second is None:
+        return
+    ours = _tree.leaves_with_paths(_padding.rows(name, first, size, batch), root="output")
+    theirs = _tree.leaves_with_paths(_padding.rows(name, second, size, batch), root="output")
+    for (path, a), (_, b) in zip(ours, theirs, strict=True):
+        if isinstance(a, torch.Tensor) and not _close(a, b):
+            raise _errors_shapes.rows_depend_on_padding(name, path, batch, size)
+
+
+def _other_padding(padded: tuple[Any, Any], batch: tuple[int, ...]) -> tuple[Any, Any] | None:
+    """``padded`` with other values in its padded rows (``x * -2 + 1`` of the rows repeated
+    there), or None if it has no floating-point tensor to change."""
+    leaves, spec = _tree.flatten(padded)
+    changed = False
+    for i, leaf in enumerate(leaves):
+        if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()):
+            continue
+        leaf = leaves[i] = leaf.clone()
+        for dim, n in enumerate(batch):
+            if n < leaf.shape[dim]:
+                rows = leaf[(slice(None),) * dim + (slice(n, None),)]
+                rows.mul_(-2).add_(1)
+                changed = True
+    return _tree.unflatten(spec, leaves) if changed else None
+
+
+def _close(a: torch.Tensor, b: Any) -> bool:
+    if not isinstance(b, torch.Tensor) or a.shape != b.shape:
+        return False
+    if not (a.is_floating_point() or a.is_complex()):
+        return bool(torch.equal(a, b))
+    return bool(torch.allclose(a, b, rtol=_RTOL, atol=_ATOL, equal_nan=True))
+
+
+class _StateSnapshot:
+    """The tensors of the modules that a function reaches (parameters, buffers, tensor
+    attributes), copied, to find and undo in-place updates."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        _, modules = _training.find_state(fn)
+        seen: set[int] = set()
+        self.tensors: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        for path, module in modules.items():
+            for where, _, _, value in module_entries(path, module):
+                if not isinstance(value, torch.Tensor) or id(value) in seen:
+                    continue
+                seen.add(id(value))
+                self.tensors.append((where, value, value.detach().clone()))
+
+    def restore_written(self) -> list[str]:
+        """Put back the tensors that moved; their paths. Compared by value: a kernel that
+        updates a tensor in place need not move its version counter (``batch_norm``'s
+        running statistics do not)."""
+        written = []
+        for path, tensor, copy in self.tensors:
+            if not torch.equal(tensor, copy):
+                written.append(path)
+                with torch.inference_mode() if tensor.is_inference() else torch.no_grad():
+                    tensor.copy_(copy)
+        return written
+
+
+def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])

@@ -1,0 +1,293 @@
+"""The state around a graph: the parameters, buffers and optimizer state that it reads.
+
+A graph reads more than its inputs: the parameters and buffers of the modules its function
+uses and, for a training step, its optimizers' state, each at the address it had at
+capture. Updated in place (an optimizer step, ``load_state_dict``, ``copy_``), they flow
+through the graph. Replaced (an attribute rebound, ``load_state_dict(assign=True)``,
+``param.data = ...``, ``module.to(...)``, ``optimizer.load_state_dict(...)``), the graph
+would keep reading the old memory. So would a graph whose modules or optimizers themselves
+were replaced where the function finds them (a resume that binds a new model and optimizer
+to ``agent.net``, ``agent.opt``, a global or a closure variable). ``State`` holds where each
+piece was found and what it was at capture; its ``fresh()`` tells, before each replay,
+whether all of it is still there. When not, the graph is captured again, with a
+``RecaptureWarning``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import os
+import re
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import tensordict
+import torch
+from torch import nn
+
+from .._compat import module_buffers, module_children, module_parameters
+from .._errors import state as _errors_state
+
+# Where a piece of state is bound: its path (for messages), the dict that holds it, its key
+# there, and what the key held at capture. The dict is a module's `_parameters`, `_buffers`
+# or `__dict__`, an optimizer's `__dict__` (for its `state` and `param_groups`), or a dict of
+# its own for a tensor that nothing else binds (its address is still followed).
+Entry = tuple[str, Mapping[Any, Any], Any, Any]
+
+# Where a module or optimizer that a graph reads was found, or an object on the way to it
+# from the function: its path, the holder that binds it (a dict: an object's `__dict__`, a
+# function's globals, a dict's entry; a list; `CELLS` for a closure variable), its key there,
+# and what the key held at capture. See `_state.training.Search.bindings`.
+Binding = tuple[str, Any, Any, Any]
+
+_data_ptr = torch.Tensor.data_ptr
+getitem: Callable[[Any, Any], Any] = operator.getitem  # a holder is a dict, a list or `CELLS`
+
+
+class RecaptureWarning(UserWarning):
+    """A graph was captured again: state that it reads was replaced after its capture.
+
+    Turned into an error (``warnings.simplefilter("error", RecaptureWarning)``), it refuses
+    the call instead, and leaves the graph as it was: no call returns a stale result.
+    """
+
+
+RecaptureWarning.__module__ = "cudagraph_td"  # where users import it from
+
+
+def module_entries(path: str, module: nn.Module) -> Iterator[Entry]:
+    """The submodules, parameters, buffers and tensor attributes (``self.scale =
+    torch.ones(3)``, neither parameter nor buffer) of ``module`` and of its submodules,
+    where each is bound."""
+    for name, sub in module.named_modules():
+        where = path + "".join(map(_part, name.split("."))) if name else path
+        children = module_children(sub)
+        for key, child in children.items():
+            yield where + _part(key), children, key, child
+        for holder in (module_parameters(sub), module_buffers(sub), sub.__dict__):
+            for key, value in holder.items():
+                if isinstance(value, torch.Tensor):
+                    yield f"{where}.{key}", holder, key, value
+
+
+def modules_entries(modules: Mapping[str, nn.Module]) -> list[Entry]:
+    """The entries of each of ``modules`` (by path), as ``module_entries`` lists them."""
+    return [entry for path, module in modules.items() for entry in module_entries(path, module)]
+
+
+def _part(name: str) -> str:
+    """A submodule's name in a path: ``[0]`` for an index (a Sequential's), else ``.name``."""
+    return f"[{name}]" if name.isdigit() else f".{name}"
+
+
+def optimizer_entries(
+    path: str,
+    optimizer: torch.optim.Optimizer,
+    followed: set[int] = frozenset(),  # type: ignore[assignment]
+) -> Iterator[Entry]:
+    """An optimizer's ``state`` and ``param_groups`` (``load_state_dict`` replaces both), and
+    the tensors it steps that are not ``followed`` already (by ``id``: those of the modules),
+    each in a dict of its own: their addresses are followed."""
+    for key in ("state", "param_groups"):
+        yield f"{path}.{key}", optimizer.__dict__, key, optimizer.__dict__[key]
+    for i, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            if id(p) not in followed:
+                yield f"{path}.param_groups[{i}]['params'][{j}]", {0: p}, 0, p
+
+
+class _Cells:
+    """Closure cells as one holder: ``CELLS[cell]`` is what the cell's variable holds now.
+
+    A closure variable is then followed as a dict entry is, by ``holder[key]``: a cell is no
+    mapping, and a holder of its own per cell would cost an object each. An empty cell (the
+    variable deleted, ``del x``) raises ``ValueError``.
+    """
+
+    # In C all the way, as a dict's: a `staticmethod` is called with the key alone, and
+    # `attrgetter` reads `cell.cell_contents` (a method in Python costs ~30 ns more a cell).
+    __getitem__ = staticmethod(operator.attrgetter("cell_contents"))
+
+
+CELLS = _Cells()
+
+
+def held(holder: Any, key: Any) -> Any:
+    """What ``holder[key]`` holds now, or ``None`` where nothing is there any more."""
+    try:
+        return holder[key]
+    except (LookupError, TypeError, ValueError):  # ValueError: an empty cell
+        return None
+
+
+def rebound(entries: Sequence[Entry | Binding]) -> list[Entry | Binding]:
+    """The ``entries`` whose holder holds another object than when they were listed."""
+    return [entry for entry in entries if held(entry[1], entry[2]) is not entry[3]]
+
+
+class State:
+    """The state a captured graph reads besides its inputs, and whether it is still there.
+
+    Tensors are followed by address (the ``data_ptr`` of what their dict holds now) and, for
+    a graph that hands them to autograd or steps them (``identity``), by identity too; the
+    submodules of each module by identity, as the whole list of a module's children (one
+    added or removed changes what a ``Sequential`` runs); an optimizer's ``state`` and
+    ``param_groups`` by identity; the ``bindings`` where the modules and optimizers were
+    found, and those of the objects on the way to them, by identity (another object bound
+    there is another model or optimizer, whose state the graph never read).
+    """
+
+    def __init__(self, entries: list[Entry], *, identity: bool, bindings: Sequence[Binding] = ()):
+        unique: dict[tuple[int, Any], Entry] = {}
+        for entry in entries:  # a tensor bound twice (shared weights) is followed once
+            unique.setdefault((id(entry[1]), entry[2]), entry)
+        self.identity = identity
+        self.entries = [(*entry, _address(entry[3])) for entry in unique.values()]
+        self.bindings = [*{_slot(b): b for b in bindings if _slot(b) not in unique}.values()]
+        tensors = [e for e in self.entries if e[4] is not None]
+        modules = [e for e in self.entries if isinstance(e[3], nn.Module)]
+        others = [e for e in self.entries if e[4] is None and not isinstance(e[3], nn.Module)]
+        # Each module's children, whole: (where, their dict, its values at capture).
+        self.children = [
+            (_parent(e[0]), e[1], [*e[1].values()]) for e in {id(e[1]): e for e in modules}.values()
+        ]
+        followed: list[Any] = [*others, *self.bindings]  # by identity, whatever `identity`
+        bound = tensors + followed
+        self.fresh: Callable[[], bool] = _fresh_check(
+            [e[1] for e in bound],
+            [e[2] for e in bound],
+            tensors=len(tensors),
+            expected=[
+                *(e[4] for e in tensors),  # the addresses of the tensors
+                *(id(e[3]) for e in (bound if identity else followed)),
+                *(value for c in self.children for value in c[2]),
+            ],
+            identity=identity,
+            children=[c[1] for c in self.children],
+        )
+
+    def changes(self) -> list[str]:
+        """The paths of the state replaced since the capture (none while ``fresh()``)."""
+        # A model or optimizer rebound (`agent.net`) first: the old one's state, unchanged, is
+        # not named.
+        changed = [path for path, *_ in rebound(self.bindings)]
+        for path, holder, key, value, address in self.entries:
+            now = holder.get(key)
+            if ((address is None or self.identity) and now is not value) or (
+                address is not None and _address(now) != address
+            ):
+                changed.append(path)
+        for where, children, before in self.children:
+            if len(children) != len(before):
+                changed.append(f"{where} (submodules added or removed)")
+        return changed
+
+    def recapture(self, name: str) -> None:
+        """Warn that the graph of ``name`` is captured again, naming the state replaced."""
+        warnings.warn(
+            _errors_state.recaptured(name, self.changes()),
+            RecaptureWarning,
+            stacklevel=_caller_level(),
+        )
+
+
+def _slot(binding: Binding) -> tuple[int, Any]:
+    """Where ``binding`` is: its holder, and its key (a cell, unhashable, by ``id``)."""
+    holder, key = binding[1], binding[2]
+    return id(holder), id(key) if holder is CELLS else key
+
+
+def _address(value: Any) -> int | None:
+    return _data_ptr(value) if isinstance(value, torch.Tensor) else None
+
+
+def _parent(path: str) -> str:
+    """The path of the module that holds the submodule at ``path``."""
+    return re.sub(r"(\[\d+\]|\.[^.\[]+)$", "", path)
+
+
+def _fresh_check(
+    holders: list[Any],
+    keys: list[Any],
+    *,
+    tensors: int,
+    expected: list[Any],
+    identity: bool,
+    children: list[Mapping[Any, Any]],
+) -> Callable[[], bool]:
+    """``State.fresh``: a closure over flat lists (no reference to the State, so no cycle).
+
+    What ``holders`` hold at ``keys`` (the first ``tensors`` of them tensors), and the
+    ``children`` dicts' modules, are gathered in one list, mapped in C (no Python loop per
+    tensor or module), and compared once with ``expected``: the tensors' addresses, then
+    the ``id`` of each object followed by identity (all, for an ``identity`` graph, else
+    those that are not tensors), then the children (compared by identity: `nn.Module`
+    defines no ``==``). The ``id``s are stable: the State holds the objects. A holder is a
+    dict, or a list or `CELLS` for a binding (see `Binding`).
+
+    Three forms, each the fastest for its case: addresses only (an inference graph that
+    follows no object by identity); addresses, then identities, each from lists of their
+    own (no list to slice); one list of all that the holders hold, for an ``identity``
+    graph, whose tensors are followed both ways.
+    """
+    if tensors == len(holders) and not identity:  # addresses only (and the children)
+
+        def fresh() -> bool:
+            try:
+                return [
+                    *map(_data_ptr, map(getitem, holders, keys)),
+                    *_chain(map(_values, children)),
+                ] == expected
+            except (LookupError, TypeError, ValueError):  # deleted, set to None, emptied
+                return False
+
+        return fresh
+
+    if not identity:  # the tensors by address, the others by identity: no list to slice
+        tensor_holders, tensor_keys = holders[:tensors], keys[:tensors]
+        other_holders, other_keys = holders[tensors:], keys[tensors:]
+
+        def fresh_and_bound() -> bool:
+            try:
+                return [
+                    *map(_data_ptr, map(getitem, tensor_holders, tensor_keys)),
+                    *map(id, map(getitem, other_holders, other_keys)),
+                    *_chain(map(_values, children)),
+                ] == expected
+            except (LookupError, TypeError, ValueError):
+                return False
+
+        return fresh_and_bound
+
+    def fresh_and_same() -> bool:
+        try:
+            held = [*map(getitem, holders, keys)]
+            return [
+                *map(_data_ptr, held[:tensors]),
+                *map(id, held),
+                *_chain(map(_values, children)),
+            ] == expected
+        except (LookupError, TypeError, ValueError):
+            return False
+
+    return fresh_and_same
+
+
+_chain = itertools.chain.from_iterable
+_values: Callable[[Any], Any] = dict.values  # the children dicts are `_modules` dicts
+
+
+# The packages whose frames stand between the user's call and a warning.
+_PACKAGES = (os.path.dirname(__file__), os.path.dirname(tensordict.__file__))
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside this package and tensordict's (whose
+    ``dispatch`` calls it for a TensorDict module): a warning then points at the user's call."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGES):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return level

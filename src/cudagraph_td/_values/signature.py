@@ -1,0 +1,309 @@
+"""The signature of a captured call: what its inputs must look like at every replay.
+
+``Signature`` is built once, at capture. It validates the capture's inputs, clones
+their tensors into the graph's static buffers, and keeps what a replay compares: the
+treespec, the indices of the tensor leaves and each one's ``metadata``, and the
+non-tensor constants. ``Signature.read`` is the general reader of the replay path (see
+`_call.replay`); ``Signature.match`` is the slow path's full check, whose
+``Signature.diagnose`` walks the trees to find the offending leaf and build the error
+that names it.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, cast
+
+import optree
+import torch
+from tensordict import TensorDictBase
+
+from .._errors import inputs as _errors
+from . import tree as _tree
+
+metadata = operator.attrgetter("__class__", "shape", "dtype", "device", "requires_grad")
+"""What a replay checks of each input tensor, as one tuple: type, shape, dtype, device and
+``requires_grad``. The type tells a tensor from a TensorDict or a subclass; ``device``, not
+``get_device()``, which is ``-1`` for every device that is not CUDA (a meta tensor would
+pass for a CPU one). One C call: faster than the same tuple written out in Python."""
+
+
+def _comparable(value: Any) -> bool:
+    try:
+        return isinstance(value == value, bool)
+    except Exception:
+        return False
+
+
+def validate(
+    name: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device: torch.device,
+    *,
+    allow_grad: bool = False,
+) -> None:
+    """Check that a call can be warmed up or captured on ``device``, before running it.
+
+    ``allow_grad`` accepts inputs that require grad, for a graph captured for autograd.
+    """
+    for path, leaf in _tree.leaves_with_paths((args, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            if leaf.device != device:
+                raise _errors.wrong_device_at_capture(name, path, device, leaf.device)
+            if leaf.requires_grad and not allow_grad:
+                raise _errors.requires_grad(name, path)
+        elif not _comparable(leaf):
+            raise _errors.uncomparable_constant(name, path, leaf)
+
+
+class Signature:
+    """The inputs of a captured call, and the static buffers that the graph reads."""
+
+    def __init__(
+        self,
+        name: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        device: torch.device,
+        *,
+        allow_grad: bool = False,
+        static_inputs: list[torch.Tensor] | None = None,
+    ):
+        validate(name, args, kwargs, device, allow_grad=allow_grad)
+        self.name = name
+        self._shapes = True  # whether `diagnose` compares shapes
+        self._requires_grad = True  # whether it compares `requires_grad`
+        leaves, self.spec = _tree.flatten((args, kwargs))
+        self.tensor_index = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        self.const_index = [
+            i for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)
+        ]
+        self.expected = [metadata(leaves[i]) for i in self.tensor_index]
+        self._gradless = list(map(_gradless, self.expected))
+        self.consts = [leaves[i] for i in self.const_index]
+        self.const_types = [type(c) for c in self.consts]
+        self.all_tensors = not self.const_index
+        # The graph's own copies of the tensor inputs: replays copy new inputs into them.
+        # They are leaves that require grad where the inputs do (a graph captured for
+        # autograd differentiates with respect to them), and never inference tensors, so
+        # that a graph captured under inference_mode can be fed outside it. No reference to
+        # the caller's tensors is kept. Given, they are views of a larger graph's buffers (a
+        # bucket's graph replayed on fewer rows).
+        if static_inputs is None:
+            with torch.no_grad(), torch.inference_mode(False):
+                static_inputs = [
+                    leaves[i].detach().clone().requires_grad_(leaves[i].requires_grad)
+                    for i in self.tensor_index
+                ]
+        self.static_inputs = static_inputs
+        # The captured call's TensorDicts' key orders, which rebuilt trees keep.
+        self._orders = _tree.key_orders((args, kwargs))
+        self._static_leaves = list(leaves)
+        for i, static in zip(self.tensor_index, self.static_inputs, strict=True):
+            self._static_leaves[i] = static
+        # The captured inputs as the user passed them, kept for error messages and to choose
+        # a reader; the function gets trees of its own (see static_tree), which it may change
+        # (write TensorDict keys).
+        self.static_args, self.static_kwargs = self.static_tree()
+
+    def static_tree(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """New containers (tuples, dicts, TensorDicts) around the graph's static input tensors,
+        the TensorDicts' keys in the captured call's order."""
+        tree = _tree.unflatten(self.spec, self._static_leaves)
+        if self._orders is not None:
+            tree = _tree.in_key_orders(tree, self._orders)
+        return tree  # type: ignore[no-any-return]
+
+    def read(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
+        """The tensor leaves of a call of the captured structure and constants, else None.
+
+        The general reader of the replay path: it flattens the call. The tensors' metadata
+        is left to the replay's check.
+        """
+        leaves, spec = optree.tree_flatten(cast(Any, (args, kwargs)), namespace=_tree.NAMESPACE)
+        if spec != self.spec:
+            return None
+        if self.all_tensors:
+            return leaves
+        if not self.consts_match(leaves):
+            return None
+        return [leaves[i] for i in self.tensor_index]
+
+    def match(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], *, requires_grad: bool = True
+    ) -> list[Any]:
+        """The tensor leaves of a call, checked in full against the capture (the slow path).
+
+        Without ``requires_grad``, the tensors' ``requires_grad`` is not compared.
+
+        Raises:
+            ValueError, KeyError, RuntimeError: The call differs from the capture; the error
+                names the leaf (see ``diagnose``).
+        """
+        tensors = self.read(args, kwargs)
+        try:
+            if tensors is not None:
+                received = list(map(metadata, tensors))
+                if received == self.expected or (
+                    not requires_grad and list(map(_gradless, received)) == self._gradless
+                ):
+                    return tensors
+        except Exception:  # a leaf that is not a tensor, where the capture had one
+            pass
+        error = self.diagnose(args, kwargs, requires_grad=requires_grad)
+        if error is not None:
+            raise error
+        # Only tensor types differ, and only by a subclass (a Parameter for a tensor): the
+        # graph reads their data as well.
+        assert tensors is not None
+        return tensors
+
+    def tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        """The tensor leaves of a call of the captured structure, unchecked."""
+        leaves, _ = _tree.flatten((args, kwargs))
+        return [leaves[i] for i in self.tensor_index]
+
+    def tensor_paths(self) -> list[str]:
+        """Readable paths of the tensor inputs, in the order of ``static_inputs`` (for errors)."""
+        return [
+            path
+            for path, leaf in _tree.leaves_with_paths((self.static_args, self.static_kwargs))
+            if isinstance(leaf, torch.Tensor)
+        ]
+
+    def consts_match(self, leaves: list[Any]) -> bool:
+        """Whether the non-tensor leaves of a call are those of the capture (by type and value)."""
+        received = [leaves[i] for i in self.const_index]
+        try:
+            return [type(c) for c in received] == self.const_types and received == self.consts
+        except Exception:
+            return False
+
+    def diagnose(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        shapes: bool = True,
+        requires_grad: bool = True,
+    ) -> Exception | None:
+        """The error that explains how a call's inputs differ from the captured ones.
+
+        None when they differ only by the subclass of a tensor, which is not an error, or,
+        with ``shapes=False``, by shapes, batch sizes and ``requires_grad`` (a call for
+        another graph of a wrapper with ``shapes="exact"``), or, with
+        ``requires_grad=False``, by ``requires_grad`` (`make_graphed_callables`, as torch's).
+        """
+        self._shapes = shapes
+        self._requires_grad = requires_grad
+        captured = (self.static_args, self.static_kwargs)
+        missing: list[str] = []
+        extra: list[str] = []
+        other: list[str] = []
+        missing_td_keys: list[str] = []
+        error = self._compare((), captured, (args, kwargs), missing, extra, other, missing_td_keys)
+        if error is not None:
+            return error
+        if missing_td_keys and not extra and not other and missing == missing_td_keys:
+            return _errors.missing_keys(self.name, missing_td_keys)
+        if missing or extra or other:
+            return _errors.structure_mismatch(self.name, missing, extra, other)
+        # Nothing differs leaf by leaf: the structure differs in a way the walk does not name
+        # (e.g. a node's metadata that is neither a key nor a batch size), or nothing does.
+        received = optree.tree_structure(cast(Any, (args, kwargs)), namespace=_tree.NAMESPACE)
+        if received == self.spec or not shapes:
+            return None
+        return _errors.structure_mismatch(
+            self.name, [], [], [f"captured: {self.spec}", f"received: {received}"]
+        )
+
+    def _compare(
+        self,
+        path: tuple[optree.PyTreeEntry, ...],
+        old: Any,
+        new: Any,
+        missing: list[str],
+        extra: list[str],
+        other: list[str],
+        missing_td_keys: list[str],
+    ) -> Exception | None:
+        where = _tree.format_path(path)
+        old_leaf, new_leaf = _tree.is_leaf(old), _tree.is_leaf(new)
+        if old_leaf and new_leaf:
+            return self._compare_leaves(where, old, new)
+        if old_leaf != new_leaf or type(old) is not type(new):
+            return _errors.leaf_kind_mismatch(self.name, where, old, new)
+        shapes = self._shapes
+        if shapes and isinstance(old, TensorDictBase) and old.batch_size != new.batch_size:
+            return _errors.batch_size_mismatch(self.name, where, old.batch_size, new.batch_size)
+        old_node, new_node = _tree.one_level(old), _tree.one_level(new)
+        # Children by entry (a key, an index), with the path entry that names them.
+        old_children = {
+            e.entry: (e, c) for e, c in zip(old_node.entries, old_node.children, strict=True)
+        }
+        new_children = {
+            e.entry: (e, c) for e, c in zip(new_node.entries, new_node.children, strict=True)
+        }
+        for key in old_children.keys() - new_children.keys():
+            missing.append(_tree.format_path((*path, old_children[key][0])))
+            if isinstance(old, TensorDictBase):
+                missing_td_keys.append(missing[-1])
+        for key in new_children.keys() - old_children.keys():
+            extra.append(_tree.format_path((*path, new_children[key][0])))
+        for key, (entry, old_child) in old_children.items():
+            if key in new_children:
+                error = self._compare(
+                    (*path, entry),
+                    old_child,
+                    new_children[key][1],
+                    missing,
+                    extra,
+                    other,
+                    missing_td_keys,
+                )
+                if error is not None:
+                    return error
+        if (
+            not missing
+            and not extra
+            and _meta(old_node.metadata, shapes) != _meta(new_node.metadata, shapes)
+        ):
+            other.append(f"{where}: {old_node.metadata!r} at capture, {new_node.metadata!r} now")
+        return None
+
+    def _compare_leaves(self, where: str, old: Any, new: Any) -> Exception | None:
+        old_tensor, new_tensor = isinstance(old, torch.Tensor), isinstance(new, torch.Tensor)
+        if old_tensor != new_tensor:
+            return _errors.leaf_kind_mismatch(self.name, where, old, new)
+        if not old_tensor:
+            try:
+                same = type(old) is type(new) and bool(old == new)
+            except Exception:
+                same = False
+            return None if same else _errors.constant_mismatch(self.name, where, old, new)
+        if new.device != old.device:
+            return _errors.device_mismatch(self.name, where, old.device, new.device)
+        if new.dtype != old.dtype:
+            return _errors.dtype_mismatch(self.name, where, old.dtype, new.dtype)
+        if self._shapes and new.shape != old.shape:
+            return _errors.shape_mismatch(self.name, where, old.shape, new.shape)
+        if not self._shapes or not self._requires_grad:  # see `diagnose`
+            return None
+        if new.requires_grad and not old.requires_grad:
+            return _errors.requires_grad(self.name, where)
+        if old.requires_grad and not new.requires_grad:
+            return _errors.no_longer_requires_grad(self.name, where)
+        return None
+
+
+def _gradless(meta: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A tensor's ``metadata`` without its ``requires_grad`` (the last item)."""
+    return meta[:-1]
+
+
+def _meta(metadata: Any, shapes: bool) -> Any:
+    """A node's metadata, without its batch size when shapes are not compared."""
+    if shapes or not hasattr(metadata, "batch_size"):
+        return metadata
+    return metadata._replace(batch_size=None)
