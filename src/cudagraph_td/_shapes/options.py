@@ -26,7 +26,21 @@ _OVERFLOW = ("eager", "raise")
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)
-class Static:
+class _Limited:
+    """The fields of `Static` and `Exact`: how many graphs per mode, and what comes past."""
+
+    max_graphs: int = 8
+    overflow: Literal["eager", "raise"] = "eager"
+
+    def __post_init__(self) -> None:
+        _check_limits(self.max_graphs, self.overflow)
+
+    def __repr__(self) -> str:
+        return _shown(self)
+
+
+@dataclass(frozen=True, kw_only=True, repr=False)
+class Static(_Limited):
     """One graph per mode (the default, also written ``shapes="static"``): a call of other
     input shapes raises an ``InputMismatchError``.
 
@@ -56,18 +70,9 @@ class Static:
         )
     """
 
-    max_graphs: int = 8
-    overflow: Literal["eager", "raise"] = "eager"
-
-    def __post_init__(self) -> None:
-        _check_limits(self.max_graphs, self.overflow)
-
-    def __repr__(self) -> str:
-        return _shown(self)
-
 
 @dataclass(frozen=True, kw_only=True, repr=False)
-class Exact:
+class Exact(_Limited):
     """A graph per input shapes (also written ``shapes="exact"``), each captured on first
     sight after warm-up calls of its own.
 
@@ -93,15 +98,6 @@ class Exact:
         >>> [(info.key, info.replays) for info in graphed.graphs()]
         [(((8,),), 1), (((5,),), 1)]
     """
-
-    max_graphs: int = 8
-    overflow: Literal["eager", "raise"] = "eager"
-
-    def __post_init__(self) -> None:
-        _check_limits(self.max_graphs, self.overflow)
-
-    def __repr__(self) -> str:
-        return _shown(self)
 
 
 @dataclass(frozen=True, repr=False)
@@ -191,7 +187,7 @@ def _check_limits(max_graphs: Any, overflow: Any) -> None:
         raise _errors.invalid_option("overflow", overflow, _OVERFLOW)
 
 
-def _shown(value: Shapes) -> str:
+def _shown(value: Any) -> str:
     """A value as it is written: its fields that differ from their defaults, ``sizes`` first
     and by position."""
     shown = []
