@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from cudagraph_td._state.training import Search, find_state
+from cudagraph_td._state.search import Search, find_state
 
 from .conftest import Backend
 

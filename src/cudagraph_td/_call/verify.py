@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .._errors import inputs as _errors
-from .._state.training import find_state
+from .._state.search import find_state
 from .._values import tree as _tree
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .._errors import inputs as _errors
-from .._state import training as _training
+from .._state.search import find_state
 from .._state.state import modules_entries
 from .._values import tree as _tree
 
@@ -50,7 +50,7 @@ def check_follows(
 ) -> None:
     """Raise if ``fn`` reaches state on another CUDA device than ``device``, where a call
     asks for new graphs while the wrapper's others are on ``home``."""
-    optimizers, modules = _training.find_state(fn)
+    optimizers, modules = find_state(fn)
     tensors = [(e[0], e[3]) for e in modules_entries(modules) if isinstance(e[3], torch.Tensor)]
     for path, opt in optimizers.items():
         for i, state in enumerate(opt.state.values()):

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .._shapes.graphs import ShapeOptions
-from .._state import training as _training
+from .._state.search import find_state
 
 DDP_WARMUP = 12
 """The least ``warmup`` for a step that calls a DDP module: 11 eager iterations, a capture."""
@@ -57,7 +57,7 @@ def checked(
             "or capture the whole training step (forward, backward and `optimizer.step()`, "
             "see the Several GPUs page of the docs)."
         )
-    modules = _training.find_state(fn)[1]
+    modules = find_state(fn)[1]
     ddps = {path: m for path, m in modules.items() if isinstance(m, DistributedDataParallel)}
     if not ddps:
         return mode, options

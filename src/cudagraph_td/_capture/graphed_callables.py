@@ -13,7 +13,7 @@ from .._compat import module_hooks
 from .._errors import graphed as _errors_graphed
 from .._errors import inputs as _errors
 from .._errors import state as _errors_state
-from .._state.training import modules_state
+from .._state.search import modules_state
 from .._values.signature import Signature
 from .autograd import Capture, DifferentiableCall
 from .backend import check_options, make_backend

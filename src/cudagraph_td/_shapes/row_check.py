@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .._errors import shapes as _errors_shapes
-from .._state import training as _training
+from .._state.search import find_state
 from .._state.state import module_entries
 from .._values import tree as _tree
 from . import padding as _padding
@@ -105,7 +105,7 @@ class _StateSnapshot:
     attributes), copied, to find and undo in-place updates."""
 
     def __init__(self, fn: Callable[..., Any]):
-        _, modules = _training.find_state(fn)
+        _, modules = find_state(fn)
         seen: set[int] = set()
         self.tensors: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         for path, module in modules.items():

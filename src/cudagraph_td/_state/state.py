@@ -40,7 +40,7 @@ Entry = tuple[str, Mapping[Any, Any], Any, Any]
 # Where a module or optimizer that a graph reads was found, or an object on the way to it
 # from the function: its path, the holder that binds it (a dict: an object's `__dict__`, a
 # function's globals, a dict's entry; a list; `CELLS` for a closure variable), its key there,
-# and what the key held at capture. See `_state.training.Search.bindings`.
+# and what the key held at capture. See `_state.search.Search.bindings`.
 Binding = tuple[str, Any, Any, Any]
 
 _data_ptr = torch.Tensor.data_ptr
