@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -134,6 +137,14 @@ def run_threads(*targets: Callable[[], None], timeout: float = 60.0) -> None:
 # Figures that reliability tests measure (cases tried, memory before and after a long run),
 # printed at the end of the session: "name" -> {"quantity": value}.
 FIGURES: dict[str, dict[str, Any]] = {}
+
+
+def run_python(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python *args`` in a process of its own, which imports this checkout's packages:
+    for what must not share a process with the other tests (a failed capture's leftovers,
+    the first cuBLAS use of a process)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env)
 
 
 def record(name: str, **values: Any) -> None:

@@ -5,10 +5,7 @@ trees and tensordict's ``CudaGraphModule``. None may break another, nor random o
 from __future__ import annotations
 
 import copy
-import os
 import pathlib
-import subprocess
-import sys
 from collections.abc import Callable
 
 import pytest
@@ -20,7 +17,7 @@ from torch import nn
 
 from cudagraph_td import CudaGraphModule, capture_stream, make_graphed_callables
 
-from .conftest import requires_cuda
+from .conftest import requires_cuda, run_python
 
 
 def _mlp() -> nn.Sequential:
@@ -159,10 +156,7 @@ def test_captures_leave_alone_the_workspaces_that_other_graphs_use() -> None:
     # torch's graphs may use a cuBLAS workspace that they do not own (see the script): a
     # capture of this library clears no workspace, so it frees none under them.
     script = pathlib.Path(__file__).with_name("workspace_owners.py")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run(
-        [sys.executable, str(script), "cudagraph_td"], capture_output=True, text=True, env=env
-    )
+    done = run_python(str(script), "cudagraph_td")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 

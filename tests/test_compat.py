@@ -6,9 +6,6 @@ entry's note in `src/cudagraph_td/_compat.py` before changing the library.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -20,7 +17,7 @@ from tensordict.tensorclass import NonTensorData
 
 from cudagraph_td import _compat
 
-from .conftest import requires_cuda
+from .conftest import requires_cuda, run_python
 
 
 def test_cuda_graph_replay_only_checks_the_liveness_tracker() -> None:
@@ -96,10 +93,7 @@ def test_pool_blocks_lists_the_allocated_blocks_of_one_pool() -> None:
     # `pool_blocks` reads `torch.cuda.memory_snapshot(mempool_id=...)`; the workspace logic
     # of `_capture.sharing` tells from it whether a clear freed its workspaces. In a process of its
     # own: in the GPU suite, the next test's setup once crashed after it (see the stop note).
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run(
-        [sys.executable, "-c", _POOL_BLOCKS], capture_output=True, text=True, env=env
-    )
+    done = run_python("-c", _POOL_BLOCKS)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
@@ -456,8 +450,5 @@ print("ok")
 @requires_cuda
 def test_end_allocate_to_pool_ends_what_a_failed_capture_left() -> None:
     # In a process of its own, as the failed capture may leave state behind.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run(
-        [sys.executable, "-c", _END_ALLOCATE], capture_output=True, text=True, env=env
-    )
+    done = run_python("-c", _END_ALLOCATE)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 import threading
 from typing import Any
 
@@ -16,7 +13,7 @@ from torch import nn
 from cudagraph_td import CudaGraphModule
 from cudagraph_td._capture import sharing as _sharing
 
-from .conftest import requires_cuda, run_threads
+from .conftest import requires_cuda, run_python, run_threads
 
 
 def _policy() -> nn.Module:
@@ -137,8 +134,7 @@ def test_a_first_capture_before_any_matrix_product_in_the_process() -> None:
         "outs = [graphed(x) for _ in range(3)]\n"
         "assert all(bool((out == 2).all()) for out in outs)\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    done = run_python("-c", script)
     assert done.returncode == 0, done.stderr[-2000:]
 
 

@@ -20,12 +20,11 @@ _AUTOCAST_DEVICES = ("cuda", "cpu")
 
 # Read at every call, so bound once.
 any_autocast = any_autocast_enabled
+_is_grad_enabled = torch.is_grad_enabled
 
 
-def autocast_state() -> Any:
-    """The autocast part of a mode: None when autocast is off on every device."""
-    if not any_autocast():
-        return None
+def _autocast_state() -> Any:
+    """The autocast part of a mode where autocast is on somewhere: each device type's."""
     return tuple(
         (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         for device in _AUTOCAST_DEVICES
@@ -33,9 +32,13 @@ def autocast_state() -> Any:
 
 
 def current_mode(module: Any) -> Mode:
-    """The mode of a call of ``module`` now."""
-    training = getattr(module, "training", None)
-    return (interaction_type(), torch.is_grad_enabled(), training, autocast_state())
+    """The mode of a call of ``module`` now (read at every call: the replay path's key)."""
+    return (
+        interaction_type(),
+        _is_grad_enabled(),
+        getattr(module, "training", None),
+        _autocast_state() if any_autocast() else None,  # None when off everywhere
+    )
 
 
 def mode_name(mode: Mode, device: Any = None) -> str:

@@ -222,7 +222,6 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
                 self.out_keys,
                 module_reads_in_keys=getattr(module, "in_keys", None) is not None,
             )
-        self._has_training = hasattr(module, "training")
         self._static = _static.StaticArgs(name, module, static) if static != () else None
         make_backend = None
         if self._backend_name != "eager":
@@ -261,8 +260,9 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The slow path: a warm-up, a capture, a replay checked in full, or a verified one."""
-        table_key = self._table.key(args, kwargs)
-        key, graphs = self._select(args, kwargs)
+        mode = _modes.current_mode(self.module)
+        table_key = self._table.key(args, kwargs, mode)
+        key, graphs = self._select(args, kwargs, mode)
         if graphs is None:  # a value of the static arguments past max_graphs
             return self._static_overflow(key, args, kwargs)
         self._where = key
@@ -286,11 +286,11 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         return out
 
     def _select(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], mode: Mode | None = None
     ) -> tuple[GraphsKey, Graphs | None]:
         """The graphs of the call's mode, device and static values (`_shapes.graphs.Graphs.run` then
         picks the graph by the call's shapes); None past ``max_graphs`` static values."""
-        mode = _modes.current_mode(self.module)
+        mode = _modes.current_mode(self.module) if mode is None else mode
         device = None
         if self._backend_name == "cuda":
             device = _devices.call_device(args, kwargs, self.device)

@@ -21,18 +21,12 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
-import torch
-
-from .._compat import interaction_type
-from .modes import any_autocast, autocast_state
+from .modes import Mode, current_mode
 from .replay import ReplayPath
 from .static import StaticArgs
 
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
-
-# Read at every call, so bound once.
-_is_grad_enabled = torch.is_grad_enabled
 
 # The most replay paths kept per key (calls of one key that take other graphs).
 PATHS_PER_KEY = 4
@@ -55,20 +49,14 @@ class GraphTable:
     """
 
     def __init__(self, module: Any, by_shapes: bool, static: StaticArgs | None):
-        self._module = module if hasattr(module, "training") else None
+        self._module = module
         self._by_shapes = by_shapes
         self._static = static
         self._paths: dict[Hashable, tuple[ReplayPath, ...]] = {}
 
-    def key(self, args: Args, kwargs: Kwargs) -> Hashable:
-        """The key of a call now."""
-        module = self._module
-        key: Hashable = (
-            interaction_type(),
-            _is_grad_enabled(),
-            None if module is None else module.training,
-            autocast_state() if any_autocast() else None,
-        )
+    def key(self, args: Args, kwargs: Kwargs, mode: Mode | None = None) -> Hashable:
+        """The key of a call now (``mode``: the call's, if known already)."""
+        key: Hashable = current_mode(self._module) if mode is None else mode
         if self._by_shapes:
             key = (key, call_shapes(args, kwargs))
         if self._static is not None:

@@ -185,10 +185,8 @@ class Graphs:
         another rank of a DDP step: ``elsewhere``): eager, or an error."""
         if batch is not None and self.options.overflow == "raise":
             raise _errors_shapes.above_buckets(self.name, batch, self.options.buckets, elsewhere)
-        seen = [] if batch is not None else [_shown(k) for k in self.runners]
-        return self.overflow.call(
-            self._fn, args, kwargs, self._lock, seen if batch is None else None
-        )
+        seen = None if batch is not None else [_shown(k) for k in self.runners]
+        return self.overflow.call(self._fn, args, kwargs, self._lock, seen)
 
     # The replay path -----------------------------------------------------------------------
 
