@@ -28,7 +28,7 @@ import tensordict
 import torch
 from torch import nn
 
-from .._compat import module_buffers, module_children, module_parameters
+from .._compat import addresses_equal, module_buffers, module_children, module_parameters
 from .._errors import state as _errors_state
 
 # Where a piece of state is bound: its path (for messages), the dict that holds it, its key
@@ -159,14 +159,11 @@ class State:
         self.fresh: Callable[[], bool] = _fresh_check(
             [e[1] for e in bound],
             [e[2] for e in bound],
-            tensors=len(tensors),
-            expected=[
-                *(e[4] for e in tensors),  # the addresses of the tensors
-                *(id(e[3]) for e in (bound if identity else followed)),
-                *(value for c in self.children for value in c[2]),
-            ],
+            addresses=[e[4] for e in tensors if e[4] is not None],
+            objects=[e[3] for e in (bound if identity else followed)],
             identity=identity,
             children=[c[1] for c in self.children],
+            modules=[value for c in self.children for value in c[2]],
         )
 
     def changes(self) -> list[str]:
@@ -213,51 +210,60 @@ def _fresh_check(
     holders: list[Any],
     keys: list[Any],
     *,
-    tensors: int,
-    expected: list[Any],
+    addresses: list[int],
+    objects: list[Any],
     identity: bool,
     children: list[Mapping[Any, Any]],
+    modules: list[nn.Module],
 ) -> Callable[[], bool]:
     """``State.fresh``: a closure over flat lists (no reference to the State, so no cycle).
 
-    What ``holders`` hold at ``keys`` (the first ``tensors`` of them tensors), and the
-    ``children`` dicts' modules, are gathered in one list, mapped in C (no Python loop per
-    tensor or module), and compared once with ``expected``: the tensors' addresses, then
-    the ``id`` of each object followed by identity (all, for an ``identity`` graph, else
-    those that are not tensors), then the children (compared by identity: `nn.Module`
-    defines no ``==``). The ``id``s are stable: the State holds the objects. A holder is a
-    dict, or a list or `CELLS` for a binding (see `Binding`).
+    What ``holders`` hold at ``keys`` (the first ``len(addresses)`` of them tensors) is
+    gathered in one list, mapped in C (no Python loop per tensor or module): the tensors'
+    addresses are compared with ``addresses`` in one C++ call (`_compat.addresses_equal`),
+    and the ``objects`` followed by identity (all, for an ``identity`` graph, else those
+    that are not tensors) with ``operator.is_``; the ``children`` dicts' values with
+    ``modules`` (by identity: `nn.Module` defines no ``==``). A holder is a dict, or a list
+    or `CELLS` for a binding (see `Binding`).
 
     Three forms, each the fastest for its case: addresses only (an inference graph that
     follows no object by identity); addresses, then identities, each from lists of their
     own (no list to slice); one list of all that the holders hold, for an ``identity``
     graph, whose tensors are followed both ways.
     """
-    if tensors == len(holders) and not identity:  # addresses only (and the children)
+    count = len(addresses)
+    indices = list(range(count))
+    if not children:
+        modules_same: Callable[[], bool] = _always
+    else:
+
+        def modules_same() -> bool:
+            return [*_chain(map(_values, children))] == modules
+
+    if count == len(holders) and not identity:  # addresses only (and the children)
 
         def fresh() -> bool:
             try:
-                return [
-                    *map(_data_ptr, map(getitem, holders, keys)),
-                    *_chain(map(_values, children)),
-                ] == expected
-            except (LookupError, TypeError, ValueError):  # deleted, set to None, emptied
+                held = [*map(getitem, holders, keys)]
+                return addresses_equal(held, addresses, indices) and modules_same()
+            except _GONE:  # deleted, set to None or to another type, emptied
                 return False
 
         return fresh
 
     if not identity:  # the tensors by address, the others by identity: no list to slice
-        tensor_holders, tensor_keys = holders[:tensors], keys[:tensors]
-        other_holders, other_keys = holders[tensors:], keys[tensors:]
+        tensor_holders, tensor_keys = holders[:count], keys[:count]
+        other_holders, other_keys = holders[count:], keys[count:]
 
         def fresh_and_bound() -> bool:
             try:
-                return [
-                    *map(_data_ptr, map(getitem, tensor_holders, tensor_keys)),
-                    *map(id, map(getitem, other_holders, other_keys)),
-                    *_chain(map(_values, children)),
-                ] == expected
-            except (LookupError, TypeError, ValueError):
+                held = [*map(getitem, tensor_holders, tensor_keys)]
+                return (
+                    addresses_equal(held, addresses, indices)
+                    and all(map(is_, map(getitem, other_holders, other_keys), objects))
+                    and modules_same()
+                )
+            except _GONE:
                 return False
 
         return fresh_and_bound
@@ -265,17 +271,25 @@ def _fresh_check(
     def fresh_and_same() -> bool:
         try:
             held = [*map(getitem, holders, keys)]
-            return [
-                *map(_data_ptr, held[:tensors]),
-                *map(id, held),
-                *_chain(map(_values, children)),
-            ] == expected
-        except (LookupError, TypeError, ValueError):
+            return (
+                addresses_equal(held, addresses, indices)
+                and all(map(is_, held, objects))
+                and modules_same()
+            )
+        except _GONE:
             return False
 
     return fresh_and_same
 
 
+def _always() -> bool:
+    return True
+
+
+# What reading a replaced piece of state raises: a key deleted, an empty cell, a tensor set
+# to None or another type (a RuntimeError from the C++ address check).
+_GONE = (LookupError, TypeError, ValueError, RuntimeError)
+is_ = operator.is_
 _chain = itertools.chain.from_iterable
 _values: Callable[[Any], Any] = dict.values  # the children dicts are `_modules` dicts
 
