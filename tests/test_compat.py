@@ -154,6 +154,19 @@ def test_tensordict_names_and_unchecked_construction() -> None:
     )
     assert type(rebuilt) is TensorDict and rebuilt.names == ["batch"]
     assert rebuilt["a"] is td["a"] and rebuilt.batch_size == td.batch_size
+    # nested=False: the entries as given (a TensorDict entry the same object), in order.
+    inner = TensorDict(c=torch.ones(2), batch_size=[2])
+    built = _compat.td_new_unsafe(TensorDict)(
+        source={"b": td["a"], "inner": inner, "a": td["a"]},
+        batch_size=td.batch_size,
+        device=None,
+        names=None,
+        nested=False,
+    )
+    assert type(built) is TensorDict and list(built.keys()) == ["b", "inner", "a"]
+    assert _compat.td_get(built, "inner") is inner and built["b"] is td["a"]
+    assert built.batch_size == td.batch_size and built.device is None
+    assert not _compat.td_has_names(built)
 
 
 @tensorclass

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from tensordict import TensorDict
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -63,6 +64,27 @@ def test_a_step_calling_ddp_needs_eleven_eager_iterations(group: None) -> None:
     with pytest.raises(ValueError, match=re.escape(message)) as info:
         CudaGraphModule(step, warmup=2, backend="emulate")
     assert "Pass `warmup=12` or more." in str(info.value)
+
+
+def test_a_ddp_steps_tensordict_result_keeps_its_key_order(group: None) -> None:
+    # The emulation replays a DDP step by running it again, into static outputs made from
+    # the eager result's structure: its TensorDict's keys in the order the step set them.
+    ddp = DDP(nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> TensorDict:
+        optimizer.zero_grad()
+        pred = ddp(x)
+        loss = nn.functional.mse_loss(pred, y)
+        loss.backward()
+        optimizer.step()
+        return TensorDict(mean=pred.detach().mean(), loss=loss.detach(), batch_size=[])
+
+    graphed = CudaGraphModule(step, warmup=12, backend="emulate")
+    for _ in range(14):
+        out = graphed(torch.randn(8, 4), torch.randn(8, 1))
+        assert list(out.keys()) == ["mean", "loss"]
+    assert graphed.is_captured
 
 
 def test_ddp_step_and_graphed_module_under_ddp_track_eager_ddp(backend: Backend) -> None:

@@ -254,8 +254,9 @@ Checked; if gone: none."""
 
 td_new_unsafe: Callable[[type], Callable[..., Any]] = operator.attrgetter("_new_unsafe")
 """``TensorDictBase._new_unsafe`` of a class: a tensor collection around entries, without
-the public constructor's checks (the entries come from a TensorDict of this layout).
-Checked; if gone: none."""
+the public constructor's checks (the entries come from a TensorDict of this layout). With
+``nested=False``, the entries are kept as given, in the source's order (no dict among them
+is made a TensorDict): how a replay builds a TensorDict result. Checked; if gone: none."""
 
 
 def td_get(td: Any, key: Any) -> Any:

@@ -209,7 +209,9 @@ class Tree:
     returns_first = False
 
     def __init__(self, outputs: Outputs):
-        self.rebuild = outputs.rebuild
+        # A result of TensorDicts: its builder itself, one call fewer (see `Outputs.rebuild`).
+        tensordicts = outputs.tensordicts
+        self.rebuild = tensordicts.build if tensordicts is not None else outputs.rebuild
 
     @staticmethod
     def of(outputs: Outputs) -> Writer:

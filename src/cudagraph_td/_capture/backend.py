@@ -345,6 +345,9 @@ class EmulatedBackend:
                     for leaf in leaves
                 ]
             static: T = _tree.unflatten(spec, leaves)
+            orders = _tree.key_orders(like)
+            if orders is not None:  # TensorDict keys in the order the function set them
+                static = _tree.in_key_orders(static, orders)
             return _EmulatedGraph(fn, static), static
         # As on CUDA: torch.distributions' argument checks read values on the host (the
         # eager warm-up and capturing calls checked them); autocast's cache would keep a

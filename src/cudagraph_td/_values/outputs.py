@@ -3,7 +3,9 @@
 ``Outputs`` is built at capture from the recorded result: its treespec, its constants,
 and the graph's static output tensors, which every replay overwrites. At each call
 ``FreshCopies`` copies those tensors into new memory (several small ones into views of
-one buffer), and ``Outputs.rebuild`` puts the copies back into the result's structure.
+one buffer), and ``Outputs.rebuild`` puts the copies back into the result's structure:
+through optree, or, for a result of TensorDicts (``TensorDictResult``), by building them
+directly.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from typing import Any
 
 import optree
 import torch
+from tensordict import TensorDict
 
-from .._compat import as_strided, foreach_copy_
+from .._compat import as_strided, foreach_copy_, td_entries, td_has_names, td_new_unsafe
 from .._errors import inputs as _errors
 from . import tree as _tree
 
@@ -90,6 +93,8 @@ class Outputs:
         self.single_tensor = self.spec.is_leaf() and bool(static)
         self.all_tensors = len(static) == len(leaves)
         self.copies = FreshCopies(static, device)
+        # A result of TensorDicts and tensors: built without optree (see `TensorDictResult`).
+        self.tensordicts = TensorDictResult.of(out) if self.all_tensors else None
 
     @property
     def static(self) -> list[torch.Tensor]:
@@ -106,12 +111,100 @@ class Outputs:
         """The result tree, with ``tensors`` in place of the static output tensors."""
         if self.single_tensor:  # the most common result, without a tree to rebuild
             return tensors[0]
+        if self.tensordicts is not None:
+            return self.tensordicts.build(tensors)
         if self.all_tensors:
             return optree.tree_unflatten(self.spec, tensors)
         leaves = list(self.template)
         for i, t in zip(self.tensor_index, tensors, strict=True):
             leaves[i] = t
         return optree.tree_unflatten(self.spec, leaves)
+
+
+class TensorDictResult:
+    """A result of plain TensorDicts and tensors (in tuples, lists, dicts), rebuilt directly:
+    one node of it, a TensorDict, tuple, list or dict, with its entries.
+
+    optree rebuilds a TensorDict through a Python function per node (see `_values.tree`),
+    which costs about as much as making the TensorDict: each node here makes its TensorDict
+    at once, with the captured batch size, device and names. Its keys come in the order
+    the function set them, as in the eager result (a treespec holds them sorted).
+    """
+
+    def __init__(self, kind: type, entries: Sequence[tuple[Any, _Entry]], td: Any = None):
+        self.kind = kind
+        self.entries = tuple(entries)  # (key or index, where its value comes from), in order
+        # Tensors only (the common result): their indices, read by one plain comprehension.
+        indices = [(key, entry) for key, entry in self.entries if isinstance(entry, int)]
+        self.indices = tuple(indices) if len(indices) == len(self.entries) else None
+        if kind is TensorDict:
+            self.new = td_new_unsafe(TensorDict)
+            self.batch_size = td.batch_size
+            self.device = td.device
+            self.names = tuple(td.names) if td_has_names(td) else None
+
+    @classmethod
+    def of(cls, out: Any) -> TensorDictResult | None:
+        """The builder of results like ``out``, if ``out`` holds a TensorDict and its every
+        node is a tensor, a plain TensorDict, a tuple, a list or a dict."""
+        index = {path: i for i, path in enumerate(_tree.leaf_keys(out))}
+        node = _node(out, (), index)
+        return node if isinstance(node, TensorDictResult) and node.holds_tensordict() else None
+
+    def holds_tensordict(self) -> bool:
+        return self.kind is TensorDict or any(
+            isinstance(entry, TensorDictResult) and entry.holds_tensordict()
+            for _, entry in self.entries
+        )
+
+    def build(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """The result, with ``tensors`` (in the order of the output tensors) as its tensors."""
+        if self.indices is not None:
+            values = {key: tensors[i] for key, i in self.indices}
+        else:
+            values = {
+                key: tensors[entry] if isinstance(entry, int) else entry.build(tensors)
+                for key, entry in self.entries
+            }
+        if self.kind is TensorDict:
+            # The entries as they are (nested=False): no dict among them to make a TensorDict of.
+            return self.new(
+                source=values,
+                batch_size=self.batch_size,
+                device=self.device,
+                names=self.names,
+                nested=False,
+            )
+        if self.kind is dict:
+            return values
+        return self.kind(values.values())
+
+
+def _node(tree: Any, path: tuple[Any, ...], index: dict[tuple[Any, ...], int]) -> _Entry | None:
+    """Where ``tree``, at ``path`` in the result, comes from; None where no node builds it."""
+    if isinstance(tree, torch.Tensor):
+        return index[path]
+    items: list[tuple[Any, Any]]
+    if type(tree) is TensorDict:
+        items = list(td_entries(tree).items())  # in the order the function set them
+    elif type(tree) in (tuple, list):
+        items = list(enumerate(tree))
+    elif type(tree) is dict:
+        items = list(tree.items())
+    else:  # a subclass, a lazy stack, a tensorclass, a non-tensor entry, a constant, None
+        return None
+    entries = []
+    for key, value in items:
+        entry = _node(value, (*path, key), index)
+        if entry is None:
+            return None
+        entries.append((key, entry))
+    return TensorDictResult(type(tree), entries, tree)
+
+
+# Where a value of the result comes from: its index among the output tensors, or the node
+# that builds it.
+_Entry = int | TensorDictResult
 
 
 # Where a view lies in its buffer: (shape, strides, offset in elements).
