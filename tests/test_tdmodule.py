@@ -346,6 +346,23 @@ def test_locked_tensordict_behaves_as_in_eager(backend: Backend) -> None:
                 writer(td)
 
 
+
+def test_a_locked_tensordict_is_refused_on_the_replay_path_too(backend: Backend) -> None:
+    actor = _actor(backend)
+    writer = backend.wrap(actor, warmup=1)
+    with torch.no_grad():
+        for _ in range(3):  # captured and replayed on unlocked TensorDicts
+            writer(_obs_td(backend))
+        td = _obs_td(backend, action=torch.zeros(8, 2, device=backend.device)).lock_()
+        with pytest.raises(RuntimeError, match="Cannot modify locked TensorDict") as eager:
+            actor(td)
+        with pytest.raises(RuntimeError, match=re.escape(str(eager.value))):
+            writer(td)
+        assert (td["action"] == 0).all()  # the entry is the caller's, untouched
+        fresh = _obs_td(backend)  # and an unlocked one is written again
+        expected = actor(fresh.clone())["action"]
+        torch.testing.assert_close(writer(fresh)["action"], expected)
+
 def _stochastic_policy(backend: Backend) -> ProbabilisticTensorDictSequential:
     net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 4)).to(backend.device)
 

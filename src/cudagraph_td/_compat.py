@@ -266,10 +266,11 @@ def td_get(td: Any, key: Any) -> Any:
 
 
 def td_set(td: Any, key: Any, value: Any) -> None:
-    """Replace the entry of a TensorDict at a string key, unchecked (``_set_str(key, value,
-    validated=True, inplace=False)``): the new entry is a TensorDict rebuilt from the old
-    one, whose batch size and device it keeps. Checked; if gone: none (``td.set(key,
-    value)`` would do, and check the entry again)."""
+    """Set the entry of a TensorDict at a string key, unchecked (``_set_str(key, value,
+    validated=True, inplace=False)``; a locked TensorDict still refuses it): for an entry
+    whose batch size and device the caller knows to be the TensorDict's (a TensorDict
+    rebuilt from the old entry; a graph's output of the captured shape). Checked; if gone:
+    none (``td[key] = value`` would do, and check the entry again)."""
     td._set_str(key, value, validated=True, inplace=False)
 
 

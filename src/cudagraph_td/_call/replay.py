@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import torch
 from tensordict import TensorDict
 
-from .._compat import foreach_copy_, td_entries, td_has_names
+from .._compat import foreach_copy_, td_entries, td_has_names, td_set
 from .._state.state import State
 from .._values import tree as _tree
 from .._values.outputs import Outputs
@@ -232,21 +232,37 @@ class OneTensor:
 
 
 class IntoTensorDict:
-    """The caller's TensorDict (the call's one argument), with ``keys`` set to the outputs."""
+    """The caller's TensorDict (the call's one argument), with ``keys`` set to the outputs.
+
+    A string key of a TensorDict on no device or on the outputs' ``device`` is set
+    unchecked (`_compat.td_set`): the reader compared its batch size with the capture's,
+    and the capturing call set the same shapes, checked. Any other is set as ``td[key] =``
+    sets it (a TensorDict on another device moves the output there).
+    """
 
     returns_first = False
 
-    def __init__(self, keys: Sequence[Any]):
+    def __init__(self, keys: Sequence[Any], device: torch.device | None = None):
         self.keys = _tree.fast_keys(keys)
         self.key = self.keys[0] if len(self.keys) == 1 else None  # one key: no loop
+        self.device = device
+        self.flat = all(isinstance(key, str) for key in self.keys)
 
     def write(self, args: Args, fresh: Sequence[torch.Tensor]) -> Any:
         td = args[0]
+        device = td.device
+        unchecked = self.flat and (device is None or device == self.device)
         if self.key is not None:
-            td[self.key] = fresh[0]  # [] = writes faster than set()
+            if unchecked:
+                td_set(td, self.key, fresh[0])
+            else:
+                td[self.key] = fresh[0]  # [] = writes faster than set()
             return td
         for key, value in zip(self.keys, fresh, strict=True):
-            td[key] = value
+            if unchecked:
+                td_set(td, key, value)
+            else:
+                td[key] = value
         return td
 
 
@@ -386,6 +402,8 @@ class OneTensorPath(ReplayPath):
         entries = position if isinstance(position, TensorDictEntries) else None
         self._key: Any = entries.keys[0] if entries else None
         self._batch_size: torch.Size | None = entries.batch_size if entries else None
+        self._unchecked_key = isinstance(out_key, str)
+        self._device = captured.outputs.device
 
     @classmethod
     def of(
@@ -444,5 +462,9 @@ class OneTensorPath(ReplayPath):
         out = self._static_output.clone()  # type: ignore[union-attr]
         if td is None:  # the tensor itself
             return out
-        td[self._out_key] = out  # IntoTensorDict; [] = writes faster than set()
+        device = td.device  # IntoTensorDict's write
+        if self._unchecked_key and (device is None or device == self._device):
+            td_set(td, self._out_key, out)
+        else:
+            td[self._out_key] = out
         return td

@@ -196,7 +196,10 @@ class TensorDictLayer:
         if in_paths is None or out_paths is None or set(in_paths) != in_keys:
             return []
         routes: list[Route] = [
-            (TensorDictEntries(in_paths, selected.batch_size), IntoTensorDict(out_paths))
+            (
+                TensorDictEntries(in_paths, selected.batch_size),
+                IntoTensorDict(out_paths, outputs.device),
+            )
         ]
         # The out-key "_" marks an output that is not returned, as in tensordict.
         returned = [_key_tuple(key) for key in self.out_keys if key != "_"]
