@@ -346,7 +346,6 @@ def test_locked_tensordict_behaves_as_in_eager(backend: Backend) -> None:
                 writer(td)
 
 
-
 def test_a_locked_tensordict_is_refused_on_the_replay_path_too(backend: Backend) -> None:
     actor = _actor(backend)
     writer = backend.wrap(actor, warmup=1)
@@ -362,6 +361,7 @@ def test_a_locked_tensordict_is_refused_on_the_replay_path_too(backend: Backend)
         fresh = _obs_td(backend)  # and an unlocked one is written again
         expected = actor(fresh.clone())["action"]
         torch.testing.assert_close(writer(fresh)["action"], expected)
+
 
 def _stochastic_policy(backend: Backend) -> ProbabilisticTensorDictSequential:
     net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 4)).to(backend.device)
