@@ -187,6 +187,35 @@ def test_keyword_arguments_and_pytrees(backend: Backend) -> None:
         torch.testing.assert_close(w.grad, w_twin.grad)
 
 
+def test_several_outputs_one_not_differentiable_between_them(backend: Backend) -> None:
+    # The backward copies the gradients of the differentiable outputs only (the first and
+    # the last here), one of them unused by the loss; outputs may be written in place.
+    net = _mlp(backend)
+    twin = copy.deepcopy(net)
+
+    def outputs(module: nn.Module) -> Any:
+        def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            y = module(x)
+            return y * 2, y.detach().argmax(-1), y.sum(-1)
+
+        return fn
+
+    graphed = backend.graph_callables(outputs(net), (backend.randn(5, 4, requires_grad=True),))
+    for used in ([0], [2], [0, 2]):
+        x = backend.randn(5, 4, requires_grad=True)
+        x_twin = x.detach().clone().requires_grad_()
+        out, expected = graphed(x), outputs(twin)(x_twin)
+        for a, b in zip(out, expected, strict=True):
+            torch.testing.assert_close(a, b)
+        assert [t.requires_grad for t in out] == [True, False, True]
+        out[0].add_(1)  # as in eager: an output is the caller's to write
+        expected[0].add_(1)
+        sum(out[i].pow(2).sum() for i in used).backward()
+        sum(expected[i].pow(2).sum() for i in used).backward()
+        torch.testing.assert_close(x.grad, x_twin.grad)
+        _assert_grads_equal(net, twin)
+
+
 def test_callables_sharing_a_pool(backend: Backend) -> None:
     # torch's documented usage: three modules, captured together, replayed fwd 1-2-3, bwd 3-2-1.
     modules = [nn.Linear(6, 6).to(backend.device) for _ in range(3)]

@@ -10,6 +10,7 @@ two backward passes accumulate as in eager mode.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -65,7 +66,7 @@ class _GraphedFunction(torch.autograd.Function):
     def forward(
         ctx: Any, call: DifferentiableCall, ungraded: tuple[str, ...], *inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        n = len(call.static_inputs)
+        n = call.n_inputs
         if n:
             foreach_copy_(call.static_inputs, inputs[:n])
         if call.order is not None:  # after the device's last replay: they share a workspace
@@ -73,7 +74,14 @@ class _GraphedFunction(torch.autograd.Function):
         call.replay_forward()
         call.generation += 1
         ctx.call, ctx.generation, ctx.ungraded = call, call.generation, ungraded
-        outputs = tuple(t.detach().clone() for t in call.outputs.static)
+        # Each output cloned (grad mode is off here, and the static outputs are detached: see
+        # `Capture.capture_backward`): one output without a generator, for speed. Not views
+        # of one buffer: autograd refuses in-place writes into outputs that are views.
+        one = call.one_output
+        if one is not None:
+            outputs: tuple[torch.Tensor, ...] = (one.clone(),)
+        else:
+            outputs = tuple([t.clone() for t in call.outputs.static])
         # Inputs that require grad where the samples did not (see `DifferentiableCall.ungraded`)
         # may reach any output, as in eager mode: all stay differentiable, as torch's are.
         if call.non_differentiable and not ungraded:
@@ -89,16 +97,20 @@ class _GraphedFunction(torch.autograd.Function):
             raise _errors.double_backward(call.name)
         if ctx.generation != call.generation:
             raise _errors.stale_backward(call.name)
-        with torch.no_grad():
-            foreach_copy_(call.static_grad_outputs, [grads[i] for i in call.differentiable])
+        # Grad mode is off (checked above): the copy needs no `no_grad`. Every output
+        # differentiable (decided at capture): the incoming gradients are the list to copy.
+        picked = call.picked_grads
+        foreach_copy_(
+            call.static_grad_outputs, grads if picked is None else [grads[i] for i in picked]
+        )
         if call.order is not None:  # the forward's stream, which another may have followed
             call.order.keep()
         call.replay_backward()
         # Fresh memory: gradients accumulated over two backward passes must not alias. Made
         # by one allocation and one multi-tensor copy where they are small (see `FreshCopies`).
-        made = iter(call.fresh_grads.make())
-        fresh = [None if g is None else next(made) for g in call.static_grad_inputs]
-        return (None, None, *(None if slot < 0 else fresh[slot] for slot in call.grad_slots))
+        fresh: list[Any] = call.fresh_grads.make()
+        fresh.append(None)  # what `grad_result` gives the node's inputs without a gradient
+        return call.grad_result(fresh)  # type: ignore[no-any-return]
 
 
 class ForwardGraph(NamedTuple):
@@ -142,19 +154,31 @@ class DifferentiableCall:
         self.signature = signature
         self.state = state
         self.static_inputs = signature.static_inputs
+        self.n_inputs = len(signature.static_inputs)
         self.params = params
         self.outputs = forward.outputs
-        self.differentiable = forward.differentiable
-        n_outputs = len(forward.outputs.static)
+        static_outputs = forward.outputs.static
+        # The one output tensor, cloned without a loop; None for any other number.
+        self.one_output = static_outputs[0] if len(static_outputs) == 1 else None
+        n_outputs = len(static_outputs)
         self.non_differentiable = [i for i in range(n_outputs) if i not in forward.differentiable]
+        # The outputs whose incoming gradients the backward copies, by index; None for all.
+        self.picked_grads = forward.differentiable if self.non_differentiable else None
         self.replay_forward = graph_replay(forward.graph)
         self.replay_backward = graph_replay(backward.graph)
         self.static_grad_outputs = backward.grad_outputs
-        self.static_grad_inputs = backward.grad_inputs
         computed = [g for g in backward.grad_inputs if g is not None]
         device = computed[0].device if computed else torch.device("cpu")
         self.fresh_grads = FreshCopies(computed, device)
-        self.grad_slots = backward.grad_slots
+        # The backward's result, from the fresh gradients with `None` appended: for each input
+        # of the node (the call, `ungraded`, the tensors, the parameters), the index of its
+        # fresh gradient, or of that `None`. One `itemgetter` call builds it.
+        computed_slots = [slot for slot, g in enumerate(backward.grad_inputs) if g is not None]
+        fresh_index = {slot: k for k, slot in enumerate(computed_slots)}
+        none = len(computed_slots)
+        self.grad_result = operator.itemgetter(
+            none, none, *(fresh_index.get(slot, none) for slot in backward.grad_slots)
+        )
         self.generation = 0  # the number of forwards replayed: a backward must be the last's
         self._graphs = (forward.graph, backward.graph)  # held for the life of the call
         self._saved = forward.saved

@@ -57,7 +57,7 @@ class FreshCopies:
                 self._groups.append((dtype, numel, indices, layouts))
 
     def make(self) -> list[torch.Tensor]:
-        """Copies of the static tensors, in their order."""
+        """Copies of the static tensors, in their order, in a new list at each call."""
         if not self._groups:
             return [t.clone() for t in self.static]
         if len(self._groups) == 1:  # one dtype: its views are the copies, in their order
