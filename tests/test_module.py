@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from typing import Any
@@ -368,6 +369,34 @@ def test_several_outputs_are_fresh_either_way(
         assert_tree_close(out, expected)
     first, second = results[-2][0], results[-1][0]
     assert first["a"].data_ptr() != second["a"].data_ptr()
+
+
+@pytest.mark.parametrize("shape", [(), (4,), (2, 3)], ids=["scalars", "vectors", "matrices"])
+def test_outputs_of_one_shape_are_fresh_and_independent(
+    backend: Backend, shape: tuple[int, ...]
+) -> None:
+    # A step's losses and metrics (outputs of one dtype and one shape) come back stacked in
+    # one new buffer per call: each its own values, none shared with another call's.
+    def fn(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        base = x.reshape(-1)[: math.prod(shape)].reshape(shape) if shape else x.sum()
+        return {"loss": base * 2, "entropy": base - 1, "kl": base.abs()}
+
+    graphed = backend.wrap(fn, warmup=1)
+    results = []
+    for _ in range(4):
+        x = backend.randn(6, 4)
+        results.append((graphed(x), fn(x)))
+    backend.sync()
+    for out, expected in results:
+        assert list(out) == list(expected)
+        assert_tree_close(out, expected)
+        assert all(t.shape == shape for t in out.values())
+    last, before = results[-1][0], results[-2][0]
+    assert last["loss"].data_ptr() != before["loss"].data_ptr()
+    kept = {k: v.clone() for k, v in before.items()}
+    last["loss"].add_(100)  # a write into one output changes no other, of any call
+    assert_tree_close(before, kept)
+    assert_tree_close(last["kl"], results[-1][1]["kl"])
 
 
 def test_is_an_instance_of_tensordicts_class(backend: Backend) -> None:

@@ -55,11 +55,16 @@ class FreshCopies:
                     layouts.append((t.shape, t.stride(), numel))
                     numel += t.numel()
                 self._groups.append((dtype, numel, indices, layouts))
+        # Tensors of one dtype and one shape (a step's scalar losses and metrics): stacked
+        # and unbound, two calls whatever their number, instead of one view each.
+        self._stacked = len(self._groups) == 1 and len({t.shape for t in static}) == 1
 
     def make(self) -> list[torch.Tensor]:
         """Copies of the static tensors, in their order, in a new list at each call."""
         if not self._groups:
             return [t.clone() for t in self.static]
+        if self._stacked:
+            return [*torch.stack(self.static).unbind()]
         if len(self._groups) == 1:  # one dtype: its views are the copies, in their order
             dtype, numel, _, layouts = self._groups[0]
             fresh = _views(torch.empty(numel, dtype=dtype, device=self.device), layouts)
