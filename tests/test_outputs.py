@@ -38,8 +38,15 @@ def _nested(x: torch.Tensor) -> TensorDict:
 
 def _named(x: torch.Tensor) -> TensorDict:
     inner = TensorDict(z=x.cos(), batch_size=[4, 3])
+    # non_blocking=False: a TensorDict made on the CPU in a process that uses CUDA would
+    # otherwise synchronise CUDA (tensordict's `_sync_all`), which a capture refuses.
     return TensorDict(
-        y=x + 1, inner=inner, batch_size=[4, 3], device=x.device, names=["env", "time"]
+        y=x + 1,
+        inner=inner,
+        batch_size=[4, 3],
+        device=x.device,
+        names=["env", "time"],
+        non_blocking=False,
     )
 
 
