@@ -120,8 +120,10 @@ def test_replaced_state_is_captured_again_with_a_warning(
         named = _replace(net, how, backend)
         dtype = net[0].weight.dtype
         x = backend.randn(8, 4).to(dtype)
-        with pytest.warns(RecaptureWarning, match=re.escape(f"`{named}`")):
+        with pytest.warns(RecaptureWarning, match=re.escape(f"`{named}`")) as record:
             out = graphed(x)
+        # The warning points at the user's call, not at the library's code.
+        assert {w.filename for w in record if w.category is RecaptureWarning} == {__file__}
         torch.testing.assert_close(out, net(x))
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # captured again once: no more warnings
@@ -607,3 +609,22 @@ def test_a_function_that_rebinds_where_it_finds_its_model_is_warned_at_capture(
         graphed(backend.randn(3, 4))
         with pytest.warns(UserWarning, match=re.escape("rebinds `a.nets` to a new object")):
             graphed(backend.randn(3, 4))
+
+
+def test_the_librarys_own_closures_are_no_bindings_to_follow(backend: Backend) -> None:
+    # A TensorDict module runs inside the library's own closure, which no user can rebind:
+    # its cell is not followed before each replay (only the module's state is).
+    from tensordict.nn import TensorDictModule
+
+    from cudagraph_td._state.state import CELLS
+
+    policy = TensorDictModule(_net(backend).eval(), in_keys=["x"], out_keys=["y"])
+    graphed = backend.wrap(policy, warmup=1)
+    with torch.no_grad():
+        for _ in range(3):
+            td = TensorDict(x=backend.randn(8, 4), batch_size=[8])
+            torch.testing.assert_close(graphed(td)["y"], policy(td.clone())["y"])
+    (path,) = graphed._table.paths()  # the replay path of its one graph
+    state = path._captured.state
+    assert state is not None and state.entries
+    assert [b[0] for b in state.bindings if b[1] is CELLS] == []

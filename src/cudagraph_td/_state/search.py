@@ -90,7 +90,8 @@ def _references(obj: Any) -> Iterator[Reference]:
             yield key, value, attributes, key
 
 
-_PACKAGE = os.path.dirname(__file__)
+# The library's own sources (the package's root, this module's parent folder).
+_PACKAGE = os.path.dirname(os.path.dirname(__file__)) + os.sep
 _MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules"})
 
 

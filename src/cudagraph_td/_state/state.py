@@ -295,7 +295,10 @@ _values: Callable[[Any], Any] = dict.values  # the children dicts are `_modules`
 
 
 # The packages whose frames stand between the user's call and a warning.
-_PACKAGES = (os.path.dirname(__file__), os.path.dirname(tensordict.__file__))
+_PACKAGES = (
+    os.path.dirname(os.path.dirname(__file__)) + os.sep,  # the package's root
+    os.path.dirname(tensordict.__file__) + os.sep,
+)
 
 
 def _caller_level() -> int:
