@@ -172,6 +172,17 @@ def test_other_results_keep_the_optree_rebuild(backend: Backend, case: str) -> N
         assert [t.tolist() for t in _leaves_of(out)] == [t.tolist() for t in _leaves_of(expected)]
         if case == "non-tensor-entry":
             assert out["mode"] == expected["mode"] == "train"
+        # A plain TensorDict lists its keys as the function set them, as eager's does.
+        assert _key_orders(out) == _key_orders(expected)
+
+
+def _key_orders(tree: Any) -> list[list[Any]]:
+    """The keys of each plain TensorDict of ``tree``, in their order."""
+    if type(tree) is TensorDict:
+        return [list(tree.keys())]
+    if isinstance(tree, tuple | list):
+        return [order for value in tree for order in _key_orders(value)]
+    return []
 
 
 def _leaves_of(tree: Any) -> list[torch.Tensor]:

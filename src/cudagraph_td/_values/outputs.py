@@ -100,6 +100,9 @@ class Outputs:
         self.copies = FreshCopies(static, device)
         # A result of TensorDicts and tensors: built without optree (see `TensorDictResult`).
         self.tensordicts = TensorDictResult.of(out) if self.all_tensors else None
+        # Other results are rebuilt by optree, which lists a TensorDict's keys sorted: the
+        # order the function set them in, where it is another, is given back after.
+        self.key_orders = _tree.key_orders(out) if self.tensordicts is None else None
 
     @property
     def static(self) -> list[torch.Tensor]:
@@ -118,12 +121,17 @@ class Outputs:
             return tensors[0]
         if self.tensordicts is not None:
             return self.tensordicts.build(tensors)
+        result: Any
         if self.all_tensors:
-            return optree.tree_unflatten(self.spec, tensors)
-        leaves = list(self.template)
-        for i, t in zip(self.tensor_index, tensors, strict=True):
-            leaves[i] = t
-        return optree.tree_unflatten(self.spec, leaves)
+            result = optree.tree_unflatten(self.spec, tensors)
+        else:
+            leaves = list(self.template)
+            for i, t in zip(self.tensor_index, tensors, strict=True):
+                leaves[i] = t
+            result = optree.tree_unflatten(self.spec, leaves)
+        if self.key_orders is not None:
+            result = _tree.in_key_orders(result, self.key_orders)
+        return result
 
 
 class TensorDictResult:
