@@ -217,18 +217,8 @@ def test_module_hooks_lists_the_registered_kinds() -> None:
 def test_the_recorder_sees_operations_and_the_writes_they_declare() -> None:
     # `_emulation.recording` relies on a dispatch mode seeing each ATen operation with its tensors,
     # and on a schema's alias information marking the arguments an operation writes.
-    seen: list[Any] = []
-
-    class Seeing(_compat.TorchDispatchMode):
-        def __torch_dispatch__(
-            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-        ) -> Any:
-            seen.append(func)
-            return func(*args, **(kwargs or {}))
-
     x = torch.ones(3)
-    with Seeing():
-        x.add_(1)
+    seen = _dispatched(lambda: x.add_(1))
     assert seen == [torch.ops.aten.add_.Tensor]
     written = [
         a.alias_info is not None and a.alias_info.is_write for a in _compat.op_arguments(seen[0])

@@ -249,21 +249,19 @@ class IntoTensorDict:
         self.flat = all(isinstance(key, str) for key in self.keys)
 
     def write(self, args: Args, fresh: Sequence[torch.Tensor]) -> Any:
-        td = args[0]
+        td = args[0]  # a TensorDict itself (see `TensorDictEntries.read`)
         device = td.device
-        unchecked = self.flat and (device is None or device == self.device)
+        put = td_set if self.flat and (device is None or device == self.device) else _checked
         if self.key is not None:
-            if unchecked:
-                td_set(td, self.key, fresh[0])
-            else:
-                td[self.key] = fresh[0]  # [] = writes faster than set()
+            put(td, self.key, fresh[0])
             return td
         for key, value in zip(self.keys, fresh, strict=True):
-            if unchecked:
-                td_set(td, key, value)
-            else:
-                td[key] = value
+            put(td, key, value)
         return td
+
+
+_checked: Callable[[TensorDict, Any, torch.Tensor], None] = TensorDict.__setitem__
+"""``td[key] = value``: the entry checked, moved to the TensorDict's device."""
 
 
 class OutKeyValues:
@@ -462,7 +460,7 @@ class OneTensorPath(ReplayPath):
         out = self._static_output.clone()  # type: ignore[union-attr]
         if td is None:  # the tensor itself
             return out
-        device = td.device  # IntoTensorDict's write
+        device = td.device  # IntoTensorDict's write, unrolled
         if self._unchecked_key and (device is None or device == self._device):
             td_set(td, self._out_key, out)
         else:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import dis
 import functools
-import os
 import types
 import weakref
 from collections.abc import Iterable, Iterator
@@ -24,7 +23,7 @@ from tensordict import is_tensor_collection
 from torch import nn
 
 from .._compat import module_children
-from .state import CELLS, Binding, State, modules_entries
+from .state import CELLS, LIBRARY, Binding, State, modules_entries
 
 # How far the search for optimizers and modules follows references, and how many objects
 # it looks at: enough for agents that hold their networks and optimizers as attributes,
@@ -47,7 +46,7 @@ def _references(obj: Any) -> Iterator[Reference]:
     elif isinstance(obj, types.FunctionType):
         code = obj.__code__
         # The library's own closures (around a TensorDict module, say) are never rebound.
-        users = not code.co_filename.startswith(_PACKAGE)
+        users = not code.co_filename.startswith(LIBRARY)
         for var, cell in zip(code.co_freevars, obj.__closure__ or (), strict=True):
             # An empty cell (a variable assigned after the function was made) reads as None.
             yield var, getattr(cell, "cell_contents", None), CELLS if users else None, cell
@@ -90,8 +89,6 @@ def _references(obj: Any) -> Iterator[Reference]:
             yield key, value, attributes, key
 
 
-# The library's own sources (the package's root, this module's parent folder).
-_PACKAGE = os.path.dirname(os.path.dirname(__file__)) + os.sep
 _MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules"})
 
 

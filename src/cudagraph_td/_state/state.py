@@ -294,11 +294,10 @@ _chain = itertools.chain.from_iterable
 _values: Callable[[Any], Any] = dict.values  # the children dicts are `_modules` dicts
 
 
+# The library's own sources: the package's root (this module's parent folder).
+LIBRARY = os.path.dirname(os.path.dirname(__file__)) + os.sep
 # The packages whose frames stand between the user's call and a warning.
-_PACKAGES = (
-    os.path.dirname(os.path.dirname(__file__)) + os.sep,  # the package's root
-    os.path.dirname(tensordict.__file__) + os.sep,
-)
+_PACKAGES = (LIBRARY, os.path.dirname(tensordict.__file__) + os.sep)
 
 
 def _caller_level() -> int:
