@@ -15,7 +15,7 @@ from torch import nn
 
 from cudagraph_td import InputMismatchError, make_graphed_callables
 
-from .conftest import Backend
+from .conftest import Backend, requires_cuda, run_python
 
 
 def _mlp(backend: Backend, *, dropout: float = 0.0) -> nn.Sequential:
@@ -675,3 +675,50 @@ def test_an_input_that_no_longer_requires_grad_gets_no_gradient(backend: Backend
         expected.pow(2).sum().backward()
         assert x.grad is None
         _assert_grads_equal(net, twin)
+
+
+# torch's documented loop ("Partial-network capture" in torch's CUDA graphs notes), in a
+# process of its own: torch warns of a gradient-accumulation stream mismatch once per process.
+_DOCUMENTED_LOOP = """
+import copy, itertools, sys, warnings
+import torch
+from torch import nn
+import cudagraph_td
+
+warnings.filterwarnings("error", "The AccumulateGrad node's stream does not match")
+torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(True)
+torch.manual_seed(0)
+module1 = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU()).cuda()
+module2 = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 16)).cuda()
+twin1, twin2 = copy.deepcopy(module1), copy.deepcopy(module2)
+x = torch.randn(32, 64, device="cuda")
+h = torch.randn(32, 128, device="cuda", requires_grad=True)
+if sys.argv[1] == "make_graphed_callables":
+    graphed1 = cudagraph_td.make_graphed_callables(module1, (x,))
+    graphed2 = cudagraph_td.make_graphed_callables(module2, (h,))
+else:
+    graphed1 = cudagraph_td.CudaGraphModule(module1, warmup=2)
+    graphed2 = cudagraph_td.CudaGraphModule(module2, warmup=2)
+params = itertools.chain(module1.parameters(), module2.parameters())
+optimizer = torch.optim.SGD(params, lr=0.1)
+twin_optimizer = torch.optim.SGD(itertools.chain(twin1.parameters(), twin2.parameters()), lr=0.1)
+for step in range(6):
+    data, target = torch.rand_like(x), torch.randn(32, 16, device="cuda")
+    for model1, model2, opt in ((graphed1, graphed2, optimizer), (twin1, twin2, twin_optimizer)):
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model2(model1(data)), target)
+        loss.backward()
+        opt.step()
+for p, q in zip(optimizer.param_groups[0]["params"], twin_optimizer.param_groups[0]["params"]):
+    torch.testing.assert_close(p, q)
+print("ok")
+"""
+
+
+@requires_cuda
+@pytest.mark.parametrize("tool", ["make_graphed_callables", "CudaGraphModule"])
+def test_torchs_documented_loop_trains_as_eager_without_a_stream_mismatch(tool: str) -> None:
+    # Autograd ties each parameter's gradient accumulation to a stream: if it were the
+    # capture's side stream, every backward would synchronise with it (and torch warns).
+    done = run_python("-c", _DOCUMENTED_LOOP, tool)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -455,22 +455,3 @@ def test_end_allocate_to_pool_ends_what_a_failed_capture_left() -> None:
     # In a process of its own, as the failed capture may leave state behind.
     done = run_python("-c", _END_ALLOCATE)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
-
-
-@pytest.mark.parametrize("check", ["library's", "python"])
-def test_addresses_equal_compares_the_indexed_tensors_addresses(check: str) -> None:
-    equal = _compat.addresses_equal if check == "library's" else _compat._addresses_equal_python
-    a, b, c = torch.zeros(2), torch.zeros(3), torch.zeros(1)
-    addresses = [a.data_ptr(), b.data_ptr()]
-    assert equal([a, b, "not checked"], addresses, [0, 1])
-    assert not equal([a, c], addresses, [0, 1])  # another tensor's memory at index 1
-    b.data = torch.zeros(3)  # the same tensor object, its memory replaced
-    assert not equal([a, b], addresses, [0, 1])
-    assert equal([a, b], addresses, [0])  # only the indices are compared
-    with pytest.raises((RuntimeError, TypeError)):  # a tensor set to None
-        equal([a, None], addresses, [0, 1])
-
-
-@pytest.mark.skipif(torch.version.cuda is None, reason="a CPU build of torch")
-def test_the_native_address_check_exists_in_a_cuda_build() -> None:
-    assert _compat.addresses_equal is torch._C._tensors_data_ptrs_at_indices_equal

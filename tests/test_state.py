@@ -97,7 +97,7 @@ def test_parameters_updated_in_place_flow_through_the_graph(backend: Backend, gr
     other = _net(backend).eval()
     graphed = backend.wrap(net, warmup=2)
     with torch.set_grad_enabled(grad), warnings.catch_warnings():
-        warnings.simplefilter("error")  # no recapture
+        warnings.simplefilter("error", RecaptureWarning)  # no recapture
         _warm(graphed, net, backend)
         captured = current_runner(graphed).captured
         net.load_state_dict(other.state_dict())  # copies in place
@@ -570,7 +570,7 @@ def test_other_attributes_of_the_agent_changing_keep_the_graph(backend: Backend)
     agent.history = []
     graphed = backend.wrap(agent.step, warmup=2)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no recapture
+        warnings.simplefilter("error", RecaptureWarning)  # no recapture
         for _ in range(8):
             x, y = backend.randn(16, 4), backend.randn(16, 1)
             loss = graphed(x, y)

@@ -114,22 +114,6 @@ function parses its arguments faster than the unbound method ``Tensor.as_strided
 _data_ptr = torch.Tensor.data_ptr
 
 
-def _addresses_equal_python(tensors: list[Any], addresses: list[int], indices: list[int]) -> bool:
-    return [_data_ptr(tensors[i]) for i in indices] == [addresses[i] for i in indices]
-
-
-addresses_equal: Callable[[list[Any], list[int], list[int]], bool] = getattr(
-    torch._C, "_tensors_data_ptrs_at_indices_equal", _addresses_equal_python
-)
-"""``addresses_equal(tensors, addresses, indices)``: whether ``tensors[i].data_ptr() ==
-addresses[i]`` for each of ``indices``, in one C++ call
-(``torch._C._tensors_data_ptrs_at_indices_equal``, CUDA builds, which torch's CUDA graph
-trees check their static inputs with): the state check before each replay reads dozens of
-addresses (a training step's parameters and optimizer state). A non-tensor among them
-raises ``RuntimeError`` (the Python fallback: ``TypeError``). Checked; if gone (and on CPU
-builds): the same comparison in Python."""
-
-
 def graph_replay(graph: Any) -> Callable[[], None]:
     """``graph.replay``, without the Python frame that ``torch.cuda.CUDAGraph.replay`` adds.
 

@@ -8,6 +8,7 @@ autocast is off everywhere, else each device type's ``(enabled, dtype)``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,10 +19,6 @@ Mode = tuple[Any, bool, Any, Any]
 
 _AUTOCAST_DEVICES = ("cuda", "cpu")
 
-# Read at every call, so bound once.
-any_autocast = any_autocast_enabled
-_is_grad_enabled = torch.is_grad_enabled
-
 
 def _autocast_state() -> Any:
     """The autocast part of a mode where autocast is on somewhere: each device type's."""
@@ -31,14 +28,30 @@ def _autocast_state() -> Any:
     )
 
 
-def current_mode(module: Any) -> Mode:
-    """The mode of a call of ``module`` now (read at every call: the replay path's key)."""
-    return (
-        interaction_type(),
-        _is_grad_enabled(),
-        getattr(module, "training", None),
-        _autocast_state() if any_autocast() else None,  # None when off everywhere
+def mode_reader(module: Any) -> Callable[[], Mode]:
+    """A function that reads the mode of a call of ``module`` now, its reads bound once: the
+    graph table calls it at every call (see `_call.table`)."""
+    interaction, grad, autocast, autocast_state = (
+        interaction_type,
+        torch.is_grad_enabled,
+        any_autocast_enabled,
+        _autocast_state,
     )
+
+    def read() -> Mode:
+        return (
+            interaction(),
+            grad(),
+            getattr(module, "training", None),
+            autocast_state() if autocast() else None,  # None when off everywhere
+        )
+
+    return read
+
+
+def current_mode(module: Any) -> Mode:
+    """The mode of a call of ``module`` now."""
+    return mode_reader(module)()
 
 
 def mode_name(mode: Mode, device: Any = None) -> str:

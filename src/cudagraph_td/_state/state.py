@@ -28,7 +28,7 @@ import tensordict
 import torch
 from torch import nn
 
-from .._compat import addresses_equal, module_buffers, module_children, module_parameters
+from .._compat import module_buffers, module_children, module_parameters
 from .._errors import state as _errors_state
 
 # Where a piece of state is bound: its path (for messages), the dict that holds it, its key
@@ -219,20 +219,21 @@ def _fresh_check(
     """``State.fresh``: a closure over flat lists (no reference to the State, so no cycle).
 
     What ``holders`` hold at ``keys`` (the first ``len(addresses)`` of them tensors) is
-    gathered in one list, mapped in C (no Python loop per tensor or module): the tensors'
-    addresses are compared with ``addresses`` in one C++ call (`_compat.addresses_equal`),
-    and the ``objects`` followed by identity (all, for an ``identity`` graph, else those
-    that are not tensors) with ``operator.is_``; the ``children`` dicts' values with
-    ``modules`` (by identity: `nn.Module` defines no ``==``). A holder is a dict, or a list
-    or `CELLS` for a binding (see `Binding`).
+    gathered and mapped in C (no Python loop per tensor or module): the tensors' addresses
+    are compared with ``addresses``, the ``objects`` followed by identity (all, for an
+    ``identity`` graph, else those that are not tensors) with ``operator.is_``, and the
+    ``children`` dicts' values with ``modules`` (by identity: `nn.Module` defines no ``==``).
+    A holder is a dict, or a list or `CELLS` for a binding (see `Binding`).
 
-    Three forms, each the fastest for its case: addresses only (an inference graph that
-    follows no object by identity); addresses, then identities, each from lists of their
-    own (no list to slice); one list of all that the holders hold, for an ``identity``
-    graph, whose tensors are followed both ways.
+    Three forms, each the fastest for its case: addresses only, in one list with the
+    children (an inference graph that follows no object by identity); addresses, then
+    identities, each from lists of their own (no list to slice); one list of all that the
+    holders hold, for an ``identity`` graph, whose tensors are followed both ways. (torch's
+    C++ helper for addresses, ``torch._C._tensors_data_ptrs_at_indices_equal``, measured
+    slower on the H100 at every count from 1 to 64 tensors: its three list arguments cost
+    more than the comparison it saves.)
     """
     count = len(addresses)
-    indices = list(range(count))
     if not children:
         modules_same: Callable[[], bool] = _always
     else:
@@ -241,11 +242,14 @@ def _fresh_check(
             return [*_chain(map(_values, children))] == modules
 
     if count == len(holders) and not identity:  # addresses only (and the children)
+        expected = [*addresses, *modules]
 
         def fresh() -> bool:
             try:
-                held = [*map(getitem, holders, keys)]
-                return addresses_equal(held, addresses, indices) and modules_same()
+                return [
+                    *map(_data_ptr, map(getitem, holders, keys)),
+                    *_chain(map(_values, children)),
+                ] == expected
             except _GONE:  # deleted, set to None or to another type, emptied
                 return False
 
@@ -257,9 +261,8 @@ def _fresh_check(
 
         def fresh_and_bound() -> bool:
             try:
-                held = [*map(getitem, tensor_holders, tensor_keys)]
                 return (
-                    addresses_equal(held, addresses, indices)
+                    [*map(_data_ptr, map(getitem, tensor_holders, tensor_keys))] == addresses
                     and all(map(is_, map(getitem, other_holders, other_keys), objects))
                     and modules_same()
                 )
@@ -272,7 +275,7 @@ def _fresh_check(
         try:
             held = [*map(getitem, holders, keys)]
             return (
-                addresses_equal(held, addresses, indices)
+                [*map(_data_ptr, held[:count])] == addresses
                 and all(map(is_, held, objects))
                 and modules_same()
             )
@@ -287,7 +290,7 @@ def _always() -> bool:
 
 
 # What reading a replaced piece of state raises: a key deleted, an empty cell, a tensor set
-# to None or another type (a RuntimeError from the C++ address check).
+# to None or another type, a tensor without storage (whose address torch refuses).
 _GONE = (LookupError, TypeError, ValueError, RuntimeError)
 is_ = operator.is_
 _chain = itertools.chain.from_iterable
