@@ -284,7 +284,7 @@ def policy_grad(device: torch.device) -> Workload:
     template = _policy(device)
     td = TensorDict(observation=torch.randn(32, 17, device=device), batch_size=[32])
 
-    def floor() -> Call:
+    def floor(cloned: bool = False) -> Call:
         net = copy.deepcopy(template.module)
         graphed = _torch_graphed(net, (td["observation"].clone(),))
 
@@ -292,7 +292,13 @@ def policy_grad(device: torch.device) -> Workload:
             td["action"] = graphed(td["observation"])
             return td
 
-        return call
+        def call_cloned() -> TensorDict:
+            # torch's output is its graph's static buffer, which the next call overwrites:
+            # cloned, it is what this library returns (the contract's fresh memory).
+            td["action"] = graphed(td["observation"]).clone()
+            return td
+
+        return call_cloned if cloned else call
 
     def wrapped(make: Callable[..., Any]) -> Callable[[], Call]:
         return lambda: _calling_with(td, make(copy.deepcopy(template), warmup=2))
@@ -305,6 +311,7 @@ def policy_grad(device: torch.device) -> Workload:
     w.variants = {
         "eager": lambda: _calling_with(td, copy.deepcopy(template)),
         "floor": floor,
+        "floor, output cloned": lambda: floor(cloned=True),
         "cudagraph_td": wrapped(cudagraph_td.CudaGraphModule),
     }
     if BASELINE is not None:
