@@ -168,6 +168,7 @@ def measure(workload: workloads.Workload, args: argparse.Namespace) -> dict[str,
         calls, skipped = build(workload, args)
         per_call = max(1e-6, time_calls(calls["eager"], 20) / 1e6)
         n = max(20, min(args.calls, int(args.seconds / per_call)))
+        n = max(n, int(workload.seconds / per_call))  # a workload's least seconds per timing
         times: dict[str, list[float]] = {name: [] for name in calls}
         cpu: dict[str, list[float]] = {name: [] for name in calls}
         names = list(calls)

@@ -62,6 +62,9 @@ class Workload:
     # A variant that takes turns between modes or shapes -> its steady variants, each the
     # same construction called in one of them only (workloads g and h).
     steady: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # The least seconds per timing, where more than ``run.py --seconds``: a training loop
+    # of a millisecond a step, whose wall-time target is a few percent (e, e2).
+    seconds: float = 0.0
 
 
 # An earlier version of the library, as a package of another name (see `run.py --baseline`).
@@ -427,6 +430,7 @@ def forward_backward(device: torch.device) -> Workload:
     w = Workload(
         "e. forward+backward",
         "an MLP (64-256-256-1, batch 128) graphed forward and backward, eager Adam step",
+        seconds=0.4,
     )
     # torch's make_graphed_callables is the hand-written reference here: the floor.
     w.variants = {
@@ -492,6 +496,7 @@ def documented_loop(device: torch.device) -> Workload:
         "torch's documented make_graphed_callables loop: two MLPs (64-256-256, 256-256-16, "
         "batch 128) graphed one by one, eager MSE loss, backward, SGD step, "
         "`zero_grad(set_to_none=True)`",
+        seconds=0.4,
     )
     # torch's make_graphed_callables is the hand-written reference here: the floor.
     w.variants = {
