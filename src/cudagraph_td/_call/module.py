@@ -236,7 +236,6 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         self._graphs: dict[GraphsKey, Graphs] = {}
         # The replay paths by the key of the calls they answered: what `__call__` runs.
         self._table = GraphTable(module, self._shapes.shapes != "static", self._static)
-        self._find = self._table.find  # read at every call
         self._where: GraphsKey | None = None  # the last slow call's
         # Per mode and device, the calls past max_graphs static values (see `_select`).
         self._overflows: dict[tuple[Mode, torch.device | None], Overflow] = {}
@@ -250,7 +249,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             order = self._order
             if order is not None and order.raw != raw_stream(order.device):  # type: ignore[misc]
                 order.follow()  # a call on another stream than the device's last replay
-            for path in self._find(args, kwargs):
+            for path in self._table.find(args, kwargs):
                 out = path.replay(args, kwargs)
                 if out is not MISS:
                     path.hits += 1

@@ -18,7 +18,7 @@ replay, which the slow path then answers and explains.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any
 
 from .modes import Mode, mode_reader
@@ -51,16 +51,8 @@ class GraphTable:
     def __init__(self, module: Any, by_shapes: bool, static: StaticArgs | None):
         self._by_shapes = by_shapes
         self._static = static
-        self._mode = mode_reader(module)
-        # Changed in place only: the finder of a table keyed by mode alone holds it.
+        self._mode = mode_reader(module)  # the call's mode, read at every call
         self._paths: dict[Hashable, tuple[ReplayPath, ...]] = {}
-        # ``find(args, kwargs)``: the replay paths for a call like this one (none for a key
-        # never seen). The common table, a graph per mode, reads the mode alone.
-        self.find: Callable[[Args, Kwargs], tuple[ReplayPath, ...]] = (
-            _finder_by_mode(self._paths, self._mode)
-            if not by_shapes and static is None
-            else self._find_by_key
-        )
 
     def key(self, args: Args, kwargs: Kwargs, mode: Mode | None = None) -> Hashable:
         """The key of a call now (``mode``: the call's, if known already)."""
@@ -71,8 +63,8 @@ class GraphTable:
             key = (key, self._static.values(args, kwargs))
         return key
 
-    def _find_by_key(self, args: Args, kwargs: Kwargs) -> tuple[ReplayPath, ...]:
-        """`find` for a table keyed by shapes or static values too."""
+    def find(self, args: Args, kwargs: Kwargs) -> tuple[ReplayPath, ...]:
+        """The replay paths for a call like this one (none for a key never seen)."""
         try:
             return self._paths[self.key(args, kwargs)]
         except (KeyError, TypeError):  # a key never seen, or a static value not hashable
@@ -86,13 +78,11 @@ class GraphTable:
         if known and known[0] is path:
             return
         if any(not p.alive() for paths in self._paths.values() for p in paths):
-            kept = {
+            self._paths = {
                 k: live
                 for k, paths in self._paths.items()
                 if (live := tuple(p for p in paths if p.alive()))
             }
-            self._paths.clear()
-            self._paths.update(kept)
             known = self._paths.get(key, ())
         rest = tuple(p for p in known if p is not path)
         self._paths[key] = (path, *rest)[:PATHS_PER_KEY]
@@ -103,18 +93,3 @@ class GraphTable:
     def paths(self) -> list[ReplayPath]:
         """Every replay path in the table, once each (for introspection and tests)."""
         return list({id(p): p for paths in self._paths.values() for p in paths}.values())
-
-
-def _finder_by_mode(
-    paths: dict[Hashable, tuple[ReplayPath, ...]], mode: Callable[[], Mode]
-) -> Callable[[Args, Kwargs], tuple[ReplayPath, ...]]:
-    """`GraphTable.find` for a table keyed by the mode alone (one graph per mode): the key
-    read and looked up in one frame, at every call."""
-
-    def find(args: Args, kwargs: Kwargs) -> tuple[ReplayPath, ...]:
-        try:
-            return paths.get(mode(), ())
-        except TypeError:  # a mode not hashable (a module's ``training`` of another type)
-            return ()
-
-    return find
