@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import operator
 import threading
 import timeit
@@ -146,8 +147,50 @@ def bindings(device: str, backend: str) -> None:
         )
 
 
+def _address_checks(
+    tensors: dict[str, torch.Tensor], net: nn.Module, helper: Any
+) -> tuple[Any, Any]:
+    """The library's list form of the address check, and the same with torch's helper."""
+    getitem, data_ptr = operator.getitem, torch.Tensor.data_ptr
+    chain, values = itertools.chain.from_iterable, dict.values
+    children, modules = [net._modules], [*net._modules.values()]
+    holders, keys = [tensors] * len(tensors), [*tensors]
+    addresses = [t.data_ptr() for t in tensors.values()]
+    expected, indices = [*addresses, *modules], [*range(len(tensors))]
+
+    def listed() -> bool:
+        held = map(data_ptr, map(getitem, holders, keys))
+        return [*held, *chain(map(values, children))] == expected
+
+    def native() -> bool:
+        held = [*map(getitem, holders, keys)]
+        same = helper(held, addresses, indices)
+        return bool(same) and [*chain(map(values, children))] == modules
+
+    return listed, native
+
+
+def address_forms(device: str) -> None:
+    """The state check's comparison of addresses, as the library makes it (one list of the
+    addresses and the children's modules, mapped in C), beside torch's C++ helper
+    ``torch._C._tensors_data_ptrs_at_indices_equal`` (CUDA builds) with the children
+    compared after it, for 1 to 64 tensors."""
+    helper = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+    net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    print("\naddresses compared (the library's list form; torch's C++ helper):")
+    for n in (1, 2, 4, 8, 16, 32, 64):
+        tensors = {f"t{i}": torch.zeros(4, device=device) for i in range(n)}
+        listed, native = _address_checks(tensors, net, helper)
+        assert listed() and (helper is None or native())
+        line = f"  {n:3d} tensors: {_us(listed):6.3f} us"
+        if helper is not None:
+            line += f", {_us(native):6.3f} us with the C++ helper"
+        print(line)
+
+
 if __name__ == "__main__":
     main()
+    address_forms("cuda" if torch.cuda.is_available() else "cpu")
     bindings(
         "cuda" if torch.cuda.is_available() else "cpu",
         "cuda" if torch.cuda.is_available() else "emulate",
