@@ -57,6 +57,16 @@ def test_benchmark_runs_without_cuda_and_says_so() -> None:
     assert "cudagraph_td" in result.stdout and "tensordict" in result.stdout
 
 
+def test_the_overhead_breakdown_follows_the_librarys_replay_path() -> None:
+    # A developer's tool (docs/benchmarks.md) that reads the library's internals: on the
+    # emulation, each step it times is still found and runs, so that it follows them.
+    args = ("--emulate", "--calls", "32", "--rounds", "1")
+    out = _run(ROOT / "benchmarks" / "overhead.py", *args).stdout
+    for step in ("(a)", "(d)", "(e)", "the replay path", "state check", "fresh outputs"):
+        assert step in out
+    assert "cudagraph_td: forward, backward" in out
+
+
 def test_ddp_example_runs_on_two_processes() -> None:
     # On CPU: two gloo processes, the graphed variants on the emulation (what CI runs); on
     # a machine with two GPUs or more: two NCCL processes, a GPU each.
