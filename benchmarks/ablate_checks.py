@@ -4,7 +4,12 @@ On the TensorDict policy of workload c, times, interleaved: the version before t
 (benchmarks/baseline, if made), the current wrapper, the same with its state check removed,
 and each check alone. On the SAC update of workload d (``--sac``): the version before and
 the current one, the state check and the training step's watch alone, then a profile of
-the current call.
+the current call. On workload f (``--buckets``): a call with ``shapes=Buckets(...)`` taken
+apart, beside a floor that replays the same graphs.
+
+With ``--emulate``, the policy and the buckets run on the CPU emulation's graphs (no
+baseline, no floors of workload f, no ``--sac``): their times say nothing of a GPU's, but
+every step is still found and run (the test suite runs it so).
 """
 
 from __future__ import annotations
@@ -25,16 +30,27 @@ import workloads  # noqa: E402
 
 from cudagraph_td import Buckets, CudaGraphModule  # noqa: E402
 
+EMULATE = "--emulate" in sys.argv
+DEVICE = torch.device("cpu" if EMULATE else "cuda")
+BACKEND = "emulate" if EMULATE else "cuda"
+
+
+def _sync() -> None:
+    if not EMULATE:
+        torch.cuda.synchronize()
+
 
 def main() -> None:
-    device = torch.device("cuda")
+    device = DEVICE
     td = TensorDict(observation=torch.randn(32, 17, device=device), batch_size=[32])
     calls: dict[str, Any] = {}
     wrappers: list[Any] = []
     policy = workloads._policy(device)
-    now = CudaGraphModule(policy)
-    stateless = CudaGraphModule(workloads._policy(device))
+    now = CudaGraphModule(policy, backend=BACKEND)  # type: ignore[arg-type]
+    stateless = CudaGraphModule(workloads._policy(device), backend=BACKEND)  # type: ignore[arg-type]
     try:
+        if EMULATE:
+            raise ImportError  # the version before, on CUDA only
         from cudagraph_td_baseline import CudaGraphModule as Before
 
         before = Before(workloads._policy(device))
@@ -58,11 +74,17 @@ def main() -> None:
             "now without the state check": lambda: stateless(td),
             "State.fresh alone": state.fresh,
             "RLock with-block alone": lambda: _locked(now._lock),
-            "raw stream alone": lambda: torch._C._cuda_getCurrentRawStream(0),
+            **_raw_stream(),
             "any autocast alone": torch._C._is_any_autocast_enabled,
             "get_ident alone": threading.get_ident,
         }
         _time(calls, rounds=400, burst=16)
+
+
+def _raw_stream() -> dict[str, Any]:
+    if EMULATE:
+        return {}
+    return {"raw stream alone": lambda: torch._C._cuda_getCurrentRawStream(0)}
 
 
 def sac() -> None:
@@ -106,12 +128,12 @@ def _time(calls: dict[str, Any], *, rounds: int, burst: int) -> None:
     for _ in range(rounds):
         rng.shuffle(names)
         for name in names:
-            torch.cuda.synchronize()
+            _sync()
             start = time.perf_counter()
             for _ in range(burst):
                 calls[name]()
             per[name].append((time.perf_counter() - start) / burst * 1e6)
-    torch.cuda.synchronize()
+    _sync()
     for name, times in per.items():
         print(f"{name:32s} {statistics.median(times):8.3f} us")
 
@@ -121,7 +143,7 @@ def _cycling(graphed: Any, graphs: Any) -> dict[str, Any]:
     floor replaying the same graphs through views made once per size."""
     rng = random.Random(1)
     tds = [
-        TensorDict(observation=torch.randn(n, 17, device="cuda"), batch_size=[n])
+        TensorDict(observation=torch.randn(n, 17, device=DEVICE), batch_size=[n])
         for n in (rng.randint(1, 64) for _ in range(512))
     ]
     for td in tds:
@@ -132,6 +154,8 @@ def _cycling(graphed: Any, graphs: Any) -> dict[str, Any]:
         captured = graphs.runners[(size,)].captured
         static, out = captured._static_inputs[0], captured.outputs.static[0]
         views[n] = ([static[:n]], out[:n], captured._replay)
+    # The replay path of each batch size: what the graph table finds for it.
+    paths = {td.batch_size[0]: graphed._table.find((td,), {})[0] for td in tds}
     position = [0]
 
     def cycled(f: Any) -> Any:
@@ -148,15 +172,16 @@ def _cycling(graphed: Any, graphs: Any) -> dict[str, Any]:
         td["action"] = out.clone()
         return td
 
-    table = graphs._table
     one = tds[0]
     return {
         "one size: floor, same graphs": lambda: floor(one),
         "one size: wrapper": lambda: graphed(one),
         "cycled: floor, same graphs": cycled(floor),
         "cycled: wrapper": cycled(graphed),
-        "cycled: dispatch + path": cycled(lambda td: graphed._last[4]((td,), {})),
-        "cycled: path alone": cycled(lambda td: table[td.shape][0]((td,), {})),
+        "cycled: lookup + path": cycled(
+            lambda td: graphed._table.find((td,), {})[0].replay((td,), {})
+        ),
+        "cycled: path alone": cycled(lambda td: paths[td.batch_size[0]].replay((td,), {})),
     }
 
 
@@ -169,7 +194,7 @@ def _pieces(graphed: Any, td: TensorDict) -> dict[str, Any]:
     module = graphed.module
     return {
         "RLock with-block alone": lambda: _locked(graphed._lock),
-        "raw stream alone": lambda: torch._C._cuda_getCurrentRawStream(0),
+        **_raw_stream(),
         "interaction type alone": interaction_type,
         "grad mode alone": torch.is_grad_enabled,
         "training alone": lambda: module.training,
@@ -189,42 +214,50 @@ def _locked(lock: Any) -> None:
 def buckets() -> None:
     """Workload f: where the CPU time of a call with shapes="buckets" goes, beside the floor
     (run under no_grad)."""
-    device = torch.device("cuda")
-    workload = workloads.policy_random_batch(device)
-    calls = {name: workload.variants[name]() for name in ("floor", "cudagraph_td")}
-    graphed = CudaGraphModule(workloads._policy(device), shapes=Buckets(workloads.BUCKETS))
+    device = DEVICE
+    calls: dict[str, Any] = {}
+    if not EMULATE:
+        workload = workloads.policy_random_batch(device)
+        calls = {name: workload.variants[name]() for name in ("floor", "cudagraph_td")}
+    graphed = CudaGraphModule(
+        workloads._policy(device),
+        shapes=Buckets(workloads.BUCKETS),
+        backend=BACKEND,  # type: ignore[arg-type]
+    )
     td = TensorDict(observation=torch.randn(37, 17, device=device), batch_size=[37])
     with torch.no_grad():
         graphed.precapture(td)
         for _ in range(3):
             graphed(td)
         graphs = graphed._current_graphs()
-        path, _ = graphs._table[td.shape]
+        (path,) = graphed._table.find((td,), {})
         captured = graphs.runners[(64,)].captured
         calls |= _cycling(graphed, graphs)
         calls |= {
             "wrapper, one size": lambda: graphed(td),
-            "dispatch + path": lambda: graphed._last[4]((td,), {}),
-            "path alone": lambda: path((td,), {}),
+            "lookup + path": lambda: graphed._table.find((td,), {})[0].replay((td,), {}),
+            "path alone": lambda: path.replay((td,), {}),
             "State.fresh alone": captured.state.fresh,
             "td.shape alone": lambda: td.shape,
             **_pieces(graphed, td),
         }
         _time(calls, rounds=300, burst=16)
-        profile_calls = calls["cudagraph_td"]
+        profile_calls = calls.get("cudagraph_td", calls["wrapper, one size"])
     import cProfile
     import pstats
 
     with torch.no_grad():
         profile = cProfile.Profile()
         profile.runcall(lambda: [profile_calls() for _ in range(3000)])
-    torch.cuda.synchronize()
+    _sync()
     pstats.Stats(profile).sort_stats("tottime").print_stats(14)
 
 
 if __name__ == "__main__":
     torch.set_grad_enabled("--buckets" not in sys.argv)  # workload f is called under no_grad
     if "--sac" in sys.argv:
+        if EMULATE:
+            raise SystemExit("--sac runs on CUDA only")
         sac()
     elif "--buckets" in sys.argv:
         buckets()

@@ -67,6 +67,16 @@ def test_the_overhead_breakdown_follows_the_librarys_replay_path() -> None:
     assert "cudagraph_td: forward, backward" in out
 
 
+@pytest.mark.parametrize("what", ["policy", "--buckets"])
+def test_the_ablation_of_the_checks_follows_the_librarys_replay_path(what: str) -> None:
+    # As the test above, for benchmarks/ablate_checks.py (docs/benchmarks.md cites it).
+    args = ["--emulate"] + ([what] if what != "policy" else [])
+    out = _run(ROOT / "benchmarks" / "ablate_checks.py", *args).stdout
+    assert "State.fresh alone" in out
+    if what == "--buckets":
+        assert "cycled: path alone" in out and "lookup + path" in out
+
+
 def test_ddp_example_runs_on_two_processes() -> None:
     # On CPU: two gloo processes, the graphed variants on the emulation (what CI runs); on
     # a machine with two GPUs or more: two NCCL processes, a GPU each.
