@@ -5,7 +5,8 @@ On the TensorDict policy of workload c, times, interleaved: the version before t
 and each check alone. On the SAC update of workload d (``--sac``): the version before and
 the current one, the state check and the training step's watch alone, then a profile of
 the current call. On workload f (``--buckets``): a call with ``shapes=Buckets(...)`` taken
-apart, beside a floor that replays the same graphs.
+apart, beside a floor that replays the same graphs. With ``--after``: the policy's no_grad
+replay path after other work (what workload g's taking turns costs).
 
 With ``--emulate``, the policy and the buckets run on the CPU emulation's graphs (no
 baseline, no floors of workload f, no ``--sac``): their times say nothing of a GPU's, but
@@ -253,6 +254,49 @@ def buckets() -> None:
     pstats.Stats(profile).sort_stats("tottime").print_stats(14)
 
 
+def after_other_work() -> None:
+    """What the policy's no_grad replay path costs back to back, after a no_grad call, after
+    a grad-mode call of the same wrapper (workload g takes turns so), and after unrelated
+    eager work (a forward and backward of another network). With ``--emulate`` the
+    emulation's replays are stubbed: the library's Python path alone."""
+    if EMULATE:
+        from cudagraph_td._emulation.recording import RecordedGraph
+
+        RecordedGraph.replay = lambda self: None  # type: ignore[method-assign]
+    graphed = CudaGraphModule(workloads._policy(DEVICE), warmup=2, backend=BACKEND)  # type: ignore[arg-type]
+    tds = [
+        TensorDict(observation=torch.randn(32, 17, device=DEVICE), batch_size=[32])
+        for _ in range(3)
+    ]
+    for _ in range(3):
+        for i, td in enumerate(tds):
+            _call_in(graphed, td, grad=i > 0)
+    with torch.no_grad():
+        (path,) = graphed._table.find((tds[0],), {})
+    net, x = workloads._policy(DEVICE).module, torch.randn(32, 17, device=DEVICE)
+    before: dict[str, Any] = {
+        "back to back": lambda i: None,
+        "after a no_grad call": lambda i: _call_in(graphed, tds[0], grad=False),
+        "after a grad-mode call": lambda i: _call_in(graphed, tds[1 + i % 2], grad=True),
+        "after an eager forward and backward": lambda i: net(x).sum().backward(),
+    }
+    for name, work in before.items():
+        times = []
+        for i in range(4000):
+            work(i)
+            _sync()
+            with torch.no_grad():
+                start = time.perf_counter()
+                path.replay((tds[0],), {})
+                times.append(time.perf_counter() - start)
+        print(f"no_grad replay path, {name:40s} {statistics.median(times) * 1e6:8.3f} us")
+
+
+def _call_in(graphed: Any, td: TensorDict, *, grad: bool) -> None:
+    with torch.set_grad_enabled(grad):
+        graphed(td)
+
+
 if __name__ == "__main__":
     torch.set_grad_enabled("--buckets" not in sys.argv)  # workload f is called under no_grad
     if "--sac" in sys.argv:
@@ -261,5 +305,7 @@ if __name__ == "__main__":
         sac()
     elif "--buckets" in sys.argv:
         buckets()
+    elif "--after" in sys.argv:
+        after_other_work()
     else:
         main()

@@ -217,6 +217,18 @@ def targets(results: list[dict[str, Any]]) -> list[tuple[str, bool | None, str]]
                 f"{cpu:.3f} (wall: {wall:.3f})" if cpu and wall else "",
             )
         )
+        # Taking turns costs the hand-written floor too (a call after other work finds the
+        # host's caches colder): the same ratio, against the floor's own.
+        floor_cpu, _ = steady_ratios(result, FLOOR)
+        if cpu is not None and floor_cpu is not None:
+            checks.append(
+                (
+                    f"{result['workload']}: cudagraph_td's in-turn ratio <= the floor's + 0.05 "
+                    "(CPU)",
+                    cpu <= floor_cpu + 0.05,
+                    f"{cpu:.3f} against {floor_cpu:.3f}",
+                )
+            )
     for result in results:
         rounds = result.get("all_cpu_us", {})
         if not all(v in rounds for v in (OURS, BEFORE, FLOOR)):
