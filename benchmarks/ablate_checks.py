@@ -28,17 +28,13 @@ from tensordict import TensorDict
 
 sys.path[:0] = ["benchmarks", "benchmarks/baseline"]
 import workloads  # noqa: E402
+from run import sync  # noqa: E402
 
 from cudagraph_td import Buckets, CudaGraphModule  # noqa: E402
 
 EMULATE = "--emulate" in sys.argv
 DEVICE = torch.device("cpu" if EMULATE else "cuda")
 BACKEND = "emulate" if EMULATE else "cuda"
-
-
-def _sync() -> None:
-    if not EMULATE:
-        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -129,12 +125,12 @@ def _time(calls: dict[str, Any], *, rounds: int, burst: int) -> None:
     for _ in range(rounds):
         rng.shuffle(names)
         for name in names:
-            _sync()
+            sync()
             start = time.perf_counter()
             for _ in range(burst):
                 calls[name]()
             per[name].append((time.perf_counter() - start) / burst * 1e6)
-    _sync()
+    sync()
     for name, times in per.items():
         print(f"{name:32s} {statistics.median(times):8.3f} us")
 
@@ -250,7 +246,7 @@ def buckets() -> None:
     with torch.no_grad():
         profile = cProfile.Profile()
         profile.runcall(lambda: [profile_calls() for _ in range(3000)])
-    _sync()
+    sync()
     pstats.Stats(profile).sort_stats("tottime").print_stats(14)
 
 
@@ -284,7 +280,7 @@ def after_other_work() -> None:
         times = []
         for i in range(4000):
             work(i)
-            _sync()
+            sync()
             with torch.no_grad():
                 start = time.perf_counter()
                 path.replay((tds[0],), {})

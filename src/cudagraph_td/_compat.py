@@ -111,9 +111,6 @@ function parses its arguments faster than the unbound method ``Tensor.as_strided
 0.1 us a view, measured on the CPU with torch 2.13)."""
 
 
-_data_ptr = torch.Tensor.data_ptr
-
-
 def graph_replay(graph: Any) -> Callable[[], None]:
     """``graph.replay``, without the Python frame that ``torch.cuda.CUDAGraph.replay`` adds.
 
