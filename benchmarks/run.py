@@ -26,7 +26,12 @@ only). The targets say which time they check: CPU time, but for the graphed trai
 of e and e2, wall time.
 
 Then the capture cost: for each wrapper, the time and the GPU memory from its construction
-to its first replay, each wrapper built fresh after the others were freed.
+to its first replay, each wrapper built fresh after the others were freed: the median of
+three builds, the wrappers taking turns in a rotating order (the first build after a
+workload's timings pays one-off costs of the process, which no wrapper should be charged).
+Every call of those builds sits between clears of cuBLAS's workspaces (see `bracketed`), as
+torch.compile's CUDA graph trees clear them around each recording: cudagraph_td makes its
+capture stream's workspaces again in its own pool after each clear (four small captures).
 
 On a machine without CUDA there is no graph to time: the script says so and times the
 eager function against the wrappers' eager fallbacks.
@@ -195,33 +200,60 @@ def measure(workload: workloads.Workload, args: argparse.Namespace) -> dict[str,
     }
 
 
-def capture_cost(workload: workloads.Workload) -> dict[str, Any]:
-    """Time and GPU memory from construction to the first replay, per wrapper."""
-    costs: dict[str, Any] = {}
+def one_capture(make: Callable[[], Any]) -> dict[str, Any]:
+    """One wrapper's build, warm-up, capture and first replay: time and GPU memory."""
+    gc.collect()
+    # cudagraph_td frees cuBLAS's workspaces around a capture (see its backend): free
+    # them first, so that neither wrapper is credited with memory that it freed.
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    sync()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    start = time.perf_counter()
+    try:
+        call = bracketed(make)
+        for _ in range(3):  # warmup=2: a warm-up, the capture, the first replay
+            bracketed(call)
+        sync()
+    except Exception as err:
+        return {"error": f"{type(err).__name__}: {str(err)[:160]}"}
+    cost = {
+        "ms": (time.perf_counter() - start) * 1e3,
+        "allocated_mib": (torch.cuda.memory_allocated() - allocated) / 2**20,
+        "reserved_mib": (torch.cuda.memory_reserved() - reserved) / 2**20,
+    }
+    del call
+    return cost
+
+
+def capture_cost(workload: workloads.Workload, rounds: int = 3) -> dict[str, Any]:
+    """Time and GPU memory from construction to the first replay, per wrapper: the median of
+    ``rounds`` builds, the wrappers taking turns in a rotating order, so that a one-off cost
+    of the process (the first capture after other work freed its graphs) is no one's."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in workload.captures}
+    errors: dict[str, dict[str, Any]] = {}
+    names = list(workload.captures)
     with grad_context(workload):
-        for name, make in workload.captures.items():
-            gc.collect()
-            # cudagraph_td frees cuBLAS's workspaces around a capture (see its backend): free
-            # them first, so that neither wrapper is credited with memory that it freed.
-            torch._C._cuda_clearCublasWorkspaces()
-            torch.cuda.empty_cache()
-            sync()
-            allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-            start = time.perf_counter()
-            try:
-                call = bracketed(make)
-                for _ in range(3):  # warmup=2: a warm-up, the capture, the first replay
-                    bracketed(call)
-                sync()
-            except Exception as err:
-                costs[name] = {"error": f"{type(err).__name__}: {str(err)[:160]}"}
-                continue
-            costs[name] = {
-                "ms": (time.perf_counter() - start) * 1e3,
-                "allocated_mib": (torch.cuda.memory_allocated() - allocated) / 2**20,
-                "reserved_mib": (torch.cuda.memory_reserved() - reserved) / 2**20,
-            }
-            del call
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                if name in errors:
+                    continue
+                cost = one_capture(workload.captures[name])
+                if "error" in cost:
+                    errors[name] = cost
+                else:
+                    runs[name].append(cost)
+    costs: dict[str, Any] = {}
+    for name in names:
+        if name in errors:
+            costs[name] = errors[name]
+            continue
+        ms = [run["ms"] for run in runs[name]]
+        costs[name] = {
+            key: statistics.median(run[key] for run in runs[name])
+            for key in ("ms", "allocated_mib", "reserved_mib")
+        }
+        costs[name]["all_ms"] = ms
     return {"workload": workload.name, "capture": costs}
 
 

@@ -108,6 +108,32 @@ def counting(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def replays_as_eager(
+    backend: Backend,
+    graphed: Any,
+    fn: Callable[..., Any],
+    make_call: Callable[[], tuple[tuple[Any, ...], dict[str, Any]]],
+    calls: int,
+    same: Callable[[Any, Any], None],
+) -> list[tuple[Any, Any]]:
+    """Call ``graphed`` and ``fn`` ``calls`` times on new inputs from ``make_call``, checking
+    each result with ``same`` as it comes and again after the last call (later replays
+    write into the graph's buffers: no earlier result may change). The (result, eager)
+    pairs, in call order."""
+    results = []
+    for _ in range(calls):
+        args, kwargs = make_call()
+        expected = fn(*args, **kwargs)
+        out = graphed(*args, **kwargs)
+        same(out, expected)
+        results.append((out, expected))
+    assert graphed.is_captured
+    backend.sync()
+    for out, expected in results:
+        same(out, expected)
+    return results
+
+
 def run_threads(*targets: Callable[[], None], timeout: float = 60.0) -> None:
     """Run each of ``targets`` in a thread of its own, all at once, and wait for them.
 

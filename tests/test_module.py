@@ -14,7 +14,7 @@ from torch import nn
 
 from cudagraph_td import CudaGraphModule
 
-from .conftest import Backend, counting
+from .conftest import Backend, counting, replays_as_eager
 
 
 @tensorclass
@@ -109,18 +109,9 @@ def test_outputs_match_eager_and_are_not_overwritten(
 ) -> None:
     fn, make_inputs = CASES[case]
     graphed = backend.wrap(fn, warmup=warmup)
-    results = []
-    for _ in range(warmup + 3):
-        args, kwargs = make_inputs(backend)
-        expected = fn(*args, **kwargs)
-        out = graphed(*args, **kwargs)
-        assert_tree_close(out, expected)
-        results.append((out, expected))
-    assert graphed.is_captured
-    backend.sync()
-    # Later calls write new values into the graph's buffers: earlier results must not change.
-    for out, expected in results:
-        assert_tree_close(out, expected)
+    replays_as_eager(
+        backend, graphed, fn, lambda: make_inputs(backend), warmup + 3, assert_tree_close
+    )
 
 
 def test_output_is_fresh_memory_not_the_graph_buffer(backend: Backend) -> None:

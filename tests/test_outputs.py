@@ -12,7 +12,7 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, tensor
 
 from cudagraph_td._values.outputs import Outputs
 
-from .conftest import Backend
+from .conftest import Backend, replays_as_eager
 
 
 @tensorclass
@@ -104,18 +104,9 @@ def test_tensordict_results_match_eager_in_fresh_memory(
 ) -> None:
     fn = CASES[case]
     graphed = backend.wrap(fn, warmup=warmup)
-    results = []
-    for _ in range(warmup + 3):
-        x = backend.randn(4, 3)
-        out = graphed(x)
-        expected = fn(x)
-        _assert_same(out, expected)
-        results.append((out, expected))
-    assert graphed.is_captured
-    backend.sync()
-    # Later calls write new values into the graph's buffers: earlier results must not change.
-    for out, expected in results:
-        _assert_same(out, expected)
+    results = replays_as_eager(
+        backend, graphed, fn, lambda: ((backend.randn(4, 3),), {}), warmup + 3, _assert_same
+    )
     # Two replays' results share no memory: writing into one changes no other.
     first, second = results[-2][0], results[-1][0]
     ptrs = {t.data_ptr() for t in _leaves(first) if t.numel()}
