@@ -13,7 +13,7 @@ from torch import nn
 
 from cudagraph_td import CudaGraphModule
 
-from .conftest import Backend
+from .conftest import Backend, regression_step
 
 
 def _slow_calls(graphed: CudaGraphModule) -> list[int]:
@@ -154,3 +154,41 @@ def test_a_recaptured_graph_leaves_the_table(backend: Backend) -> None:
                 x = backend.randn(1, 2)
                 torch.testing.assert_close(graphed(x), net(x))
     assert old not in graphed._table.paths() and len(graphed._table.paths()) == 1
+
+
+def test_a_function_given_no_in_keys_replays_without_the_slow_path(backend: Backend) -> None:
+    # LeanRL's SAC, TD3 and PPO scripts: `CudaGraphModule(update, in_keys=[], out_keys=[])`,
+    # a whole training step that takes the sampled batch and returns a new TensorDict of
+    # metrics. Every call took the slow path (its full check): in TD3's loop on the H100,
+    # 280 against tensordict's 187 us a call. It replays as a plain function's graph.
+    torch.manual_seed(0)
+    net = nn.Linear(4, 1).to(backend.device)
+    twin = nn.Linear(4, 1).to(backend.device)
+    twin.load_state_dict(net.state_dict())
+    update, _ = regression_step(backend, net)
+    eager_update, _ = regression_step(backend, twin)
+    graphed = backend.wrap(update, in_keys=[], out_keys=[], warmup=2)
+
+    def batch() -> TensorDict:
+        return TensorDict(obs=backend.randn(8, 4), target=backend.randn(8, 1), batch_size=[8])
+
+    for _ in range(3):  # two warm-ups, the capture
+        td = batch()
+        torch.testing.assert_close(graphed(td)["loss"], eager_update(td.clone())["loss"])
+    slow = _slow_calls(graphed)
+    losses = []
+    for _ in range(4):
+        td = batch()
+        out = graphed(td)
+        assert type(out) is TensorDict and list(out.keys()) == ["loss"]
+        torch.testing.assert_close(out["loss"], eager_update(td.clone())["loss"])
+        losses.append(out)
+    assert slow[0] == 0
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+    # Fresh memory: each call's metrics, kept, are their own.
+    assert len({t["loss"].data_ptr() for t in losses}) == len(losses)
+    # Calls the graph cannot answer still take the slow path, and its errors.
+    with pytest.raises(TypeError, match="call it with a TensorDict"):
+        graphed(backend.randn(8, 4))
+    assert slow[0] == 1

@@ -23,7 +23,15 @@ from tensordict.nn import dispatch
 
 from .._errors import inputs as _errors
 from .._values import tree as _tree
-from .replay import Captured, IntoTensorDict, Keywords, OutKeyValues, Route, TensorDictEntries
+from .replay import (
+    Captured,
+    IntoTensorDict,
+    Keywords,
+    OutKeyValues,
+    Route,
+    TensorDictEntries,
+    default_routes,
+)
 
 
 class Runner(Protocol):
@@ -172,11 +180,14 @@ class TensorDictLayer:
         return out
 
     def routes(self, captured: Captured) -> list[Route]:
-        """The replay path's routes for a graph of ``module(td)`` that wrote into ``td``.
+        """The replay path's routes for a graph of ``module(td)`` that wrote into ``td``, or
+        of a function given no ``in_keys``.
 
         ``module(td)``: the ``in_keys`` entries read by key, the written entries set into
-        ``td``. ``module(**tensors)``, for a graph captured with a TensorDict of batch size
-        ``[]`` (what a keyword call builds): the keyword tensors read by name (nested keys
+        ``td``. Without ``in_keys``: the function's own route (`_call.replay.default_routes`),
+        the whole TensorDict read and the result returned as the function returned it.
+        ``module(**tensors)``, for a graph captured with a TensorDict of batch size ``[]``
+        (what a keyword call builds): the keyword tensors read by name (nested keys
         joined with ``"_"``, as tensordict's dispatch does), the out_keys' values returned.
         None for any other graph: every call takes the full call.
         """
@@ -185,9 +196,13 @@ class TensorDictLayer:
             return []
         selected = signature.static_args[0]
         result = outputs.rebuild(outputs.static)
-        if type(selected) is not TensorDict or not (
-            isinstance(result, tuple) and len(result) == 2 and result[0] is WROTE_INPUT
-        ):
+        wrote_input = isinstance(result, tuple) and len(result) == 2 and result[0] is WROTE_INPUT
+        if not self.in_keys:
+            # No in_keys (LeanRL's `CudaGraphModule(update, in_keys=[], out_keys=[])`): the
+            # graph reads the whole TensorDict and its result is returned as it is, as a
+            # plain function's; a result written into the input takes the full call.
+            return [] if wrote_input else default_routes(captured)
+        if type(selected) is not TensorDict or not wrote_input:
             return []
         in_paths = _tensor_keys(selected)
         out_paths = _tensor_keys(result[1])
