@@ -1,6 +1,6 @@
 """End to end: LeanRL's SAC and TD3 loops, steps per second, eager against the graphed ones.
 
-    python benchmarks/leanrl.py [--scripts sac,td3] [--steps N] [--short M] [--rounds R]
+    python benchmarks/leanrl.py [--scripts sac,td3] [--steps N] [--skip K] [--rounds R]
 
 The loops are the corpus's (``tests/corpus/test_leanrl.py``): each script's networks,
 optimizers, ``update_main``, ``update_pol`` and policy functions, and its ``CudaGraphModule``
@@ -12,11 +12,12 @@ it), the transition stored and a batch sampled, ``update_main``, and every secon
 
 Each variant runs the whole loop, built anew (construction, warm-up and capture
 included): ``eager``, tensordict's ``CudaGraphModule`` (for which the scripts were
-written) and ``cudagraph_td``'s, in a rotating order per round, in one process. Two
-lengths, ``--steps`` and ``--short``: the steady rate is the difference of steps over the
-difference of times (what a long run converges to: the build, capture and the random
-steps before learning starts cancel out), and the median over rounds is reported, with
-each variant's ratio to eager and cudagraph_td's to tensordict's.
+written) and ``cudagraph_td``'s, in a rotating order per round, in one process. The rate
+is taken inside the loop: the time between ``update_main``'s call ``--skip`` (past every
+warm-up and capture) and its last, over the steps between them (each step calls it once),
+so that building, capturing and the random steps before learning starts count for none.
+The median over rounds is reported, with each variant's ratio to eager and cudagraph_td's
+to tensordict's.
 
 With ``--emulate`` (and on a machine without CUDA), cudagraph_td runs on the CPU
 emulation against eager, a few steps: its times say nothing of a GPU's (the test suite
@@ -61,21 +62,43 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_seconds(
+class Clocked(leanrl.Wrap):
+    """A run's ``Wrap`` that also notes the time of each call of ``update_main``."""
+
+    def __init__(self, wrap: leanrl.Wrap):
+        super().__init__(wrap.cls, **wrap.options)
+        self.made = wrap.made
+        self.times: list[float] = []
+
+    def __call__(self, fn: Any, **kwargs: Any) -> Any:
+        wrapped = super().__call__(fn, **kwargs)
+        if getattr(fn, "__name__", "") != "update_main":
+            return wrapped
+        times = self.times
+
+        def clocked(*args: Any, **kw: Any) -> Any:
+            times.append(time.perf_counter())
+            return wrapped(*args, **kw)
+
+        return clocked
+
+
+def steady_rate(
     script: Callable[..., dict[str, Any]],
     wrap: leanrl.Wrap,
     steps: int,
-    starts: int,
+    skip: int,
     device: torch.device,
 ) -> float:
-    """The seconds of one whole run of ``steps`` steps (learning from step ``starts``),
-    built anew."""
-    args = leanrl.OffPolicyArgs(total_timesteps=steps, learning_starts=starts, batch_size=256)
+    """Steps per second of one run of ``steps`` steps, built anew: the steps between
+    ``update_main``'s call ``skip`` and its last, over the time between them."""
+    clock = Clocked(wrap)
+    args = leanrl.OffPolicyArgs(total_timesteps=steps, learning_starts=10, batch_size=256)
     sync(device)
-    start = time.perf_counter()
-    script(wrap, args, device)
+    script(clock, args, device)
     sync(device)
-    return time.perf_counter() - start
+    times = clock.times[skip:]
+    return (len(times) - 1) / (times[-1] - times[0])
 
 
 def report(name: str, backend: str, device: torch.device, args: argparse.Namespace) -> None:
@@ -84,7 +107,6 @@ def report(name: str, backend: str, device: torch.device, args: argparse.Namespa
     made = variants(backend)
     names = list(made)
     rates: dict[str, list[float]] = {v: [] for v in names}
-    starts = min(10, args.short // 2)  # the same in both runs: its cost cancels out
     failed: dict[str, str] = {}
     for r in range(args.rounds):
         for variant in names[r % len(names) :] + names[: r % len(names)]:
@@ -92,17 +114,13 @@ def report(name: str, backend: str, device: torch.device, args: argparse.Namespa
                 continue
             wrap = made[variant]()
             try:
-                long = run_seconds(script, wrap, args.steps, starts, device)
-                wrap = made[variant]()
-                short = run_seconds(script, wrap, args.short, starts, device)
+                rates[variant].append(steady_rate(script, wrap, args.steps, args.skip, device))
             except Exception as err:  # a wrapper that cannot run this loop (the corpus says why)
                 failed[variant] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
                 if device.type == "cuda":
                     leanrl._end_failed_captures(wrap.made, device)
-                continue
-            rates[variant].append((args.steps - args.short) / max(long - short, 1e-9))
     steady = {v: statistics.median(rates[v]) for v in names if v not in failed}
-    print(f"\n{name}: steady steps per second (median of {args.rounds} rounds)")
+    print(f"\n{name}: steps per second (median of {args.rounds} rounds)")
     for variant, why in failed.items():
         print(f"  {variant:13} n/a: {why}")
     for variant in steady:
@@ -118,19 +136,19 @@ def report(name: str, backend: str, device: torch.device, args: argparse.Namespa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scripts", default="sac,td3", help="comma-separated: sac, td3")
-    parser.add_argument("--steps", type=int, default=400, help="steps of the long run")
-    parser.add_argument("--short", type=int, default=100, help="steps of the short run")
+    parser.add_argument("--steps", type=int, default=500, help="steps of a run")
+    parser.add_argument("--skip", type=int, default=20, help="update calls before timing")
     parser.add_argument("--rounds", type=int, default=3, help="rounds (median reported)")
     parser.add_argument("--emulate", action="store_true", help="the CPU emulation's graphs")
     args = parser.parse_args()
-    if args.short >= args.steps:
-        parser.error("--short must be fewer steps than --steps")
+    if args.skip + 12 >= args.steps:
+        parser.error("--steps must leave steps to time after --skip and the 10 random ones")
     cuda = torch.cuda.is_available() and not args.emulate
     device = torch.device("cuda" if cuda else "cpu")
     backend = "cuda" if cuda else "emulate"
     print(
         f"LeanRL {leanrl.COMMIT[:7]} loops, {device} ({backend}), torch {torch.__version__}, "
-        f"tensordict {tensordict.__version__}; steps {args.steps} and {args.short}, "
+        f"tensordict {tensordict.__version__}; {args.steps} steps, timed from update {args.skip}, "
         f"{args.rounds} rounds"
     )
     # The emulation lets capturable optimizers step on the CPU, as the test suite does (the
