@@ -136,7 +136,7 @@ def sac_update(device: torch.device, backend: str) -> Steps:
         ),
         "      the graph's launch": captured._replay,  # type: ignore[attr-defined]
         "      fresh outputs (one buffer, one copy)": captured.outputs.copies.make,
-        "    writer: the result TensorDict": lambda: write((batch,), fresh),
+        "    writer: the result TensorDict": lambda: write((batch,), {}, fresh),
         "  floor's parts: batch[k] for each key": lambda: [batch[k] for k in keys],
         "  floor's parts: clone() per output": lambda: [t.clone() for t in captured.outputs.static],
         "  floor's parts: a TensorDict of the outputs": lambda: TensorDict(

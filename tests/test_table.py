@@ -3,6 +3,7 @@ the order of the calls (modes, shapes of any input, static values)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -192,3 +193,65 @@ def test_a_function_given_no_in_keys_replays_without_the_slow_path(backend: Back
     with pytest.raises(TypeError, match="call it with a TensorDict"):
         graphed(backend.randn(8, 4))
     assert slow[0] == 1
+
+
+def test_a_tensordict_module_called_with_tensordict_out_replays_without_the_slow_path(
+    backend: Backend,
+) -> None:
+    # LeanRL's PPO: `update = CudaGraphModule(TensorDictModule(update_fn, in_keys=[...],
+    # out_keys=[metrics]))`, a whole training step called as `update(minibatch,
+    # tensordict_out=TensorDict())`, hundreds of times an iteration. Each call took the
+    # slow path; it replays, the metrics written into the given `tensordict_out`.
+    torch.manual_seed(0)
+    net = nn.Linear(4, 1).to(backend.device)
+    twin = nn.Linear(4, 1).to(backend.device)
+    twin.load_state_dict(net.state_dict())
+
+    def make_update(net: nn.Module) -> TensorDictModule:
+        opt = torch.optim.Adam(
+            net.parameters(), lr=torch.tensor(1e-2, device=backend.device), capturable=True
+        )
+
+        def update_fn(obs: torch.Tensor, advantages: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            opt.zero_grad(set_to_none=False)
+            loss = (net(obs).squeeze(-1) * advantages).mean()
+            loss.backward()
+            opt.step()
+            return loss.detach(), advantages.std()
+
+        keys = ["obs", "advantages"]
+        return TensorDictModule(update_fn, in_keys=keys, out_keys=["loss", "adv_std"])
+
+    graphed = backend.wrap(make_update(net), warmup=2)
+    eager = make_update(twin)
+
+    def minibatch(n: int = 16) -> TensorDict:
+        return TensorDict(obs=backend.randn(n, 4), advantages=backend.randn(n), batch_size=[n])
+
+    for _ in range(3):  # two warm-ups, the capture
+        td = minibatch()
+        graphed(td, tensordict_out=TensorDict())
+        eager(td.clone(), tensordict_out=TensorDict())
+    slow = _slow_calls(graphed)
+    results = []
+    for _ in range(4):
+        td = minibatch()
+        out = TensorDict()
+        result = graphed(td, tensordict_out=out)
+        expected = eager(td.clone(), tensordict_out=TensorDict())
+        assert result is out and sorted(out.keys()) == ["adv_std", "loss"]
+        assert sorted(td.keys()) == ["advantages", "obs"]  # the minibatch is untouched
+        torch.testing.assert_close(out["loss"], expected["loss"])
+        torch.testing.assert_close(out["adv_std"], expected["adv_std"])
+        results.append(out)
+    assert slow[0] == 0
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+    assert len({r["loss"].data_ptr() for r in results}) == len(results)  # fresh memory
+    # A call the graph cannot answer (a minibatch of another size) takes the slow path,
+    # whose error names the entry; tensordict_out is left empty.
+    out = TensorDict()
+    message = 'args[0]["advantages"] of shape (16,), but received shape (12,)'
+    with pytest.raises(ValueError, match=re.escape(message)):
+        graphed(minibatch(12), tensordict_out=out)
+    assert slow[0] == 1 and not out.keys()

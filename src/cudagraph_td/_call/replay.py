@@ -48,6 +48,9 @@ Kwargs = dict[str, Any]
 MISS: Any = object()
 """What a replay function returns for a call it leaves to the slow path."""
 
+TENSORDICT_OUT = "tensordict_out"
+"""The keyword of a TensorDict module's call that names where its outputs go."""
+
 # A plain graph with one tensor in and one out and nothing else to do: its static input
 # list, static output and replay, which the replay path launches itself, without a call.
 Bare = tuple[list[torch.Tensor], torch.Tensor, Callable[[], None]]
@@ -77,8 +80,9 @@ def call(captured: Captured, args: Args, kwargs: Kwargs) -> Any:
 
 
 class Reader(Protocol):
-    # Whether it reads calls with keywords (True), without (False), or both (None).
-    keywords: bool | None
+    # Whether it reads calls with keywords (True), without (False), or both (None); or
+    # TENSORDICT_OUT: calls ``module(td, tensordict_out=out)`` only (see `TensorDictEntries`).
+    keywords: bool | str | None
 
     def read(self, args: Args, kwargs: Kwargs) -> Sequence[Any] | None:
         """The call's input tensors in the static inputs' order, or None for a miss."""
@@ -88,7 +92,7 @@ class Reader(Protocol):
 class Positional:
     """``fn(t0, t1, ...)``: the positional arguments are the tensors."""
 
-    keywords: bool | None = False
+    keywords: bool | str | None = False
 
     def __init__(self, count: int):
         self.count = count
@@ -100,7 +104,7 @@ class Positional:
 class Keywords:
     """``fn(a=t0, b=t1)``: keyword tensors, read by name; no other argument."""
 
-    keywords: bool | None = True
+    keywords: bool | str | None = True
 
     def __init__(self, names: Sequence[str]):
         self.names = list(names)
@@ -123,7 +127,7 @@ class TensorDictEntries:
     compared either way: the graph was captured for one.
     """
 
-    keywords: bool | None = False
+    keywords: bool | str | None = False
 
     def __init__(
         self,
@@ -158,23 +162,50 @@ class TensorDictEntries:
         td = args[0]
         if type(td) is not TensorDict or td.batch_size != self.batch_size:
             return None
-        entries = td_entries(td)
         if self.exact and (
-            len(entries) != len(self.keys) or td.device != self.device or td_has_names(td)
+            len(td_entries(td)) != len(self.keys) or td.device != self.device or td_has_names(td)
         ):
             return None
+        return self.entries(td)
+
+    def entries(self, td: TensorDict) -> Sequence[Any] | None:
+        """The entries of ``td`` at ``keys``; None if one is missing."""
         try:
             if self.flat:
+                entries = td_entries(td)
                 return [entries[key] for key in self.keys]
             return [td[key] for key in self.keys]
         except KeyError:
             return None
 
 
+class TensorDictEntriesOut(TensorDictEntries):
+    """``module(td, tensordict_out=out)``: the module's inputs, read from ``td`` by key, take
+    the batch size of ``out`` (the capture's) when it leads ``td``'s, as the module writes
+    its outputs into ``out`` (a minibatch's scalar metrics into ``TensorDict()``: LeanRL's
+    PPO update)."""
+
+    keywords: bool | str | None = TENSORDICT_OUT
+
+    def read(self, args: Args, kwargs: Kwargs) -> Sequence[Any] | None:
+        if len(args) != 1 or len(kwargs) != 1:
+            return None
+        td, out = args[0], kwargs.get(TENSORDICT_OUT)
+        batch_size = self.batch_size
+        if (
+            type(td) is not TensorDict
+            or type(out) is not TensorDict
+            or out.batch_size != batch_size
+            or td.batch_size[: len(batch_size)] != batch_size
+        ):
+            return None
+        return self.entries(td)
+
+
 class Flattening:
     """Any call: its arguments flattened, their structure and constants compared."""
 
-    keywords: bool | None = None
+    keywords: bool | str | None = None
 
     def __init__(self, signature: Signature):
         self.read = signature.read
@@ -198,7 +229,7 @@ class Writer(Protocol):
     # Whether the result is the first output tensor itself: the replay returns it, no call.
     returns_first: bool
 
-    def write(self, args: Args, fresh: Sequence[torch.Tensor]) -> Any:
+    def write(self, args: Args, kwargs: Kwargs, fresh: Sequence[torch.Tensor]) -> Any:
         """The call's result, from its arguments and the output tensors in fresh memory."""
         ...
 
@@ -218,7 +249,7 @@ class Tree:
         """The writer of a function's result: the tensor itself, if it is one tensor."""
         return OneTensor() if outputs.single_tensor else Tree(outputs)
 
-    def write(self, args: Args, fresh: Sequence[torch.Tensor]) -> Any:
+    def write(self, args: Args, kwargs: Kwargs, fresh: Sequence[torch.Tensor]) -> Any:
         return self.rebuild(fresh)
 
 
@@ -227,12 +258,13 @@ class OneTensor:
 
     returns_first = True
 
-    def write(self, args: Args, fresh: Sequence[torch.Tensor]) -> Any:
+    def write(self, args: Args, kwargs: Kwargs, fresh: Sequence[torch.Tensor]) -> Any:
         return fresh[0]
 
 
 class IntoTensorDict:
-    """The caller's TensorDict (the call's one argument), with ``keys`` set to the outputs.
+    """The caller's TensorDict (the call's one argument, or its ``tensordict_out`` with
+    ``into_out``), with ``keys`` set to the outputs.
 
     A string key of a TensorDict on no device or on the outputs' ``device`` is set
     unchecked (`_compat.td_set`): the reader compared its batch size with the capture's,
@@ -242,14 +274,18 @@ class IntoTensorDict:
 
     returns_first = False
 
-    def __init__(self, keys: Sequence[Any], device: torch.device | None = None):
+    def __init__(
+        self, keys: Sequence[Any], device: torch.device | None = None, *, into_out: bool = False
+    ):
         self.keys = _tree.fast_keys(keys)
         self.key = self.keys[0] if len(self.keys) == 1 else None  # one key: no loop
         self.device = device
         self.flat = all(isinstance(key, str) for key in self.keys)
+        self.into_out = into_out
 
-    def write(self, args: Args, fresh: Sequence[torch.Tensor]) -> Any:
-        td = args[0]  # a TensorDict itself (see `TensorDictEntries.read`)
+    def write(self, args: Args, kwargs: Kwargs, fresh: Sequence[torch.Tensor]) -> Any:
+        # A TensorDict itself (see `TensorDictEntries.read` and `.read_into_out`).
+        td = kwargs[TENSORDICT_OUT] if self.into_out else args[0]
         device = td.device
         put = td_set if self.flat and (device is None or device == self.device) else _checked
         if self.key is not None:
@@ -273,7 +309,7 @@ class OutKeyValues:
         self.single = self.indices[0] if len(self.indices) == 1 else None
         self.returns_first = self.single == 0
 
-    def write(self, args: Args, fresh: Sequence[torch.Tensor]) -> Any:
+    def write(self, args: Args, kwargs: Kwargs, fresh: Sequence[torch.Tensor]) -> Any:
         if self.single is not None:
             return fresh[self.single]
         return tuple(fresh[i] for i in self.indices)
@@ -283,7 +319,7 @@ class OutKeyValues:
 
 Route = tuple[Reader, Writer]
 Read = Callable[[Args, Kwargs], Sequence[Any] | None]
-Write = Callable[[Args, Sequence[torch.Tensor]], Any]
+Write = Callable[[Args, Kwargs, Sequence[torch.Tensor]], Any]
 
 
 def default_routes(captured: Captured) -> list[Route]:
@@ -297,7 +333,8 @@ class ReplayPath:
     does not pass.
 
     ``routes`` holds a route for calls without keywords and one for calls with keywords,
-    or one route for both (its reader tells). ``source`` is the graph it replays (for a
+    or one route for both (its reader tells), and for a TensorDict module a route for calls
+    with ``tensordict_out`` (else they take the keywords' route). ``source`` is the graph it replays (for a
     bucket's rows, the bucket's graph) and ``runner`` the graph's runner: the path is
     ``alive`` while the runner still holds that graph (a recapture replaces it).
     """
@@ -309,14 +346,19 @@ class ReplayPath:
         self._runner = runner
         by_position: tuple[Read, Write | None] = (_miss, None)
         by_keywords = by_position
+        by_out = None
         for reader, writer in routes:
             # A result that is the first output itself needs no call: the replay returns it.
             route = (reader.read, None if writer.returns_first else writer.write)
+            if reader.keywords == TENSORDICT_OUT:
+                by_out = route
+                continue
             if reader.keywords is not True:
                 by_position = route
             if reader.keywords is not False:
                 by_keywords = route
         self._by_position, self._by_keywords = by_position, by_keywords
+        self._by_out = by_keywords if by_out is None else by_out
         expected = self._expected = captured.signature.expected
         # One tensor in: its metadata compared without a list of one element.
         self._one = expected[0] if len(expected) == 1 else None
@@ -335,7 +377,10 @@ class ReplayPath:
 
     def replay(self, args: Args, kwargs: Kwargs) -> Any:
         """Replay the graph for this call; ``MISS`` if the call is not one it reads."""
-        read, write = self._by_keywords if kwargs else self._by_position
+        if kwargs:
+            read, write = self._by_out if TENSORDICT_OUT in kwargs else self._by_keywords
+        else:
+            read, write = self._by_position
         tensors = read(args, kwargs)
         if tensors is None:
             return MISS
@@ -357,7 +402,7 @@ class ReplayPath:
             fresh: Sequence[torch.Tensor] = (self._static_output.clone(),)  # type: ignore[union-attr]
         else:
             fresh = self._captured.launch(tensors)
-        return fresh[0] if write is None else write(args, fresh)
+        return fresh[0] if write is None else write(args, kwargs, fresh)
 
 
 def replay_path(
@@ -411,6 +456,8 @@ class OneTensorPath(ReplayPath):
         position: Any = None
         name = out_key = None
         for reader, writer in routes:
+            if reader.keywords == TENSORDICT_OUT:  # its calls (with keywords) take the slow path
+                continue
             if isinstance(reader, Keywords) and len(reader.names) == 1 and writer.returns_first:
                 (name,) = reader.names
             elif isinstance(reader, Positional) and reader.count == 1 and writer.returns_first:

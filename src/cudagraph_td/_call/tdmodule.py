@@ -30,6 +30,7 @@ from .replay import (
     OutKeyValues,
     Route,
     TensorDictEntries,
+    TensorDictEntriesOut,
     default_routes,
 )
 
@@ -184,7 +185,8 @@ class TensorDictLayer:
         of a function given no ``in_keys``.
 
         ``module(td)``: the ``in_keys`` entries read by key, the written entries set into
-        ``td``. Without ``in_keys``: the function's own route (`_call.replay.default_routes`),
+        ``td``; ``module(td, tensordict_out=out)``: the same entries, the written ones set
+        into ``out``. Without ``in_keys``: the function's own route (`_call.replay.default_routes`),
         the whole TensorDict read and the result returned as the function returned it.
         ``module(**tensors)``, for a graph captured with a TensorDict of batch size ``[]``
         (what a keyword call builds): the keyword tensors read by name (nested keys
@@ -214,7 +216,12 @@ class TensorDictLayer:
             (
                 TensorDictEntries(in_paths, selected.batch_size),
                 IntoTensorDict(out_paths, outputs.device),
-            )
+            ),
+            # `module(td, tensordict_out=out)`, the outputs written into `out`.
+            (
+                TensorDictEntriesOut(in_paths, selected.batch_size),
+                IntoTensorDict(out_paths, outputs.device, into_out=True),
+            ),
         ]
         # The out-key "_" marks an output that is not returned, as in tensordict.
         returned = [_key_tuple(key) for key in self.out_keys if key != "_"]
