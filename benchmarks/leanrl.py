@@ -1,23 +1,28 @@
-"""End to end: LeanRL's SAC and TD3 loops, steps per second, eager against the graphed ones.
+"""End to end: LeanRL's SAC, TD3 and PPO loops, environment steps per second, eager against
+the graphed ones.
 
-    python benchmarks/leanrl.py [--scripts sac,td3] [--steps N] [--skip K] [--rounds R]
+    python benchmarks/leanrl.py [--scripts sac,td3,ppo] [--steps N] [--skip K]
+                                [--ppo-iterations I] [--rounds R]
 
 The loops are the corpus's (``tests/corpus/test_leanrl.py``): each script's networks,
-optimizers, ``update_main``, ``update_pol`` and policy functions, and its ``CudaGraphModule``
-arguments as they stand in LeanRL, the environment and replay buffer replaced by random
-tensors of HalfCheetah's shapes, with the scripts' batch size (256). A step is what the
-script's main loop does: the policy's action (copied to the host, as an environment needs
-it), the transition stored and a batch sampled, ``update_main``, and every second step
-``update_pol`` (SAC: twice) and the target networks' update.
+optimizers, update, policy and GAE functions, and its ``CudaGraphModule`` arguments as
+they stand in LeanRL, the environment and replay buffer replaced by random tensors of
+HalfCheetah's shapes. SAC and TD3 (``--steps`` steps, batches of 256 as in the scripts): a
+step is the policy's action (copied to the host, as an environment needs it), the
+transition stored and a batch sampled, ``update_main``, and every second step
+``update_pol`` (SAC: twice) and the target networks' update. PPO (continuous actions,
+``--ppo-iterations`` iterations): an iteration is a rollout of 512 steps (2048 in the
+script), GAE, and 10 epochs of minibatches of 64 (as in the script): 80 calls of the
+update, ``update(minibatch, tensordict_out=TensorDict())``.
 
 Each variant runs the whole loop, built anew (construction, warm-up and capture
 included): ``eager``, tensordict's ``CudaGraphModule`` (for which the scripts were
 written) and ``cudagraph_td``'s, in a rotating order per round, in one process. The rate
-is taken inside the loop: the time between ``update_main``'s call ``--skip`` (past every
-warm-up and capture) and its last, over the steps between them (each step calls it once),
-so that building, capturing and the random steps before learning starts count for none.
-The median over rounds is reported, with each variant's ratio to eager and cudagraph_td's
-to tensordict's.
+is taken inside the loop, past every warm-up and capture: the time between two calls of
+one function (SAC and TD3: ``update_main``, from its call ``--skip``, a step apart; PPO:
+``gae``, from its fourth call, an iteration apart), so that building, capturing and the
+random steps before learning starts count for none. The median over rounds is reported,
+with each variant's ratio to eager and cudagraph_td's to tensordict's.
 
 With ``--emulate`` (and on a machine without CUDA), cudagraph_td runs on the CPU
 emulation against eager, a few steps: its times say nothing of a GPU's (the test suite
@@ -33,7 +38,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -46,7 +51,56 @@ import tensordict.nn  # noqa: E402
 from cudagraph_td import CudaGraphModule, _compat  # noqa: E402
 from tests.corpus import test_leanrl as leanrl  # noqa: E402
 
-SCRIPTS: dict[str, Callable[..., dict[str, Any]]] = {"sac": leanrl.sac, "td3": leanrl.td3}
+
+class Script(NamedTuple):
+    """A loop to time: ``run(wrap, device, args)`` runs it whole; each call of the function
+    named ``clocked`` is a tick of ``steps`` environment steps (an iteration of PPO, a step
+    of the others), timed from its tick ``skip(args)``, past every warm-up and capture."""
+
+    run: Callable[[leanrl.Wrap, torch.device, argparse.Namespace], Any]
+    clocked: str
+    steps: Callable[[argparse.Namespace], int]
+    skip: Callable[[argparse.Namespace], int]
+
+
+def _off_policy(script: Callable[..., dict[str, Any]]) -> Script:
+    def run(wrap: leanrl.Wrap, device: torch.device, args: argparse.Namespace) -> Any:
+        config = leanrl.OffPolicyArgs(
+            total_timesteps=args.steps, learning_starts=10, batch_size=256
+        )
+        return script(wrap, config, device)
+
+    return Script(run, "update_main", lambda args: 1, lambda args: args.skip)
+
+
+# PPO on HalfCheetah with the script's minibatches of 64 and 10 epochs; 512 steps per
+# iteration (2048 in the script) so that eager runs take seconds: 80 updates an iteration.
+PPO_STEPS = 512
+
+
+def _ppo(wrap: leanrl.Wrap, device: torch.device, args: argparse.Namespace) -> Any:
+    config = leanrl.PPOArgs(
+        num_envs=1,
+        num_steps=PPO_STEPS,
+        num_minibatches=PPO_STEPS // 64,
+        update_epochs=10,
+        num_iterations=args.ppo_iterations,
+        learning_rate=3e-4,
+        clip_coef=0.2,
+        ent_coef=0.0,
+    )
+    env = leanrl.RandomEnv(1, (leanrl.N_OBS,), torch.float32)
+    agent = lambda d: leanrl.ContinuousAgent(leanrl.N_OBS, leanrl.N_ACT, d)  # noqa: E731
+    return leanrl.ppo(wrap, config, agent, env, torch.float64, device)
+
+
+SCRIPTS: dict[str, Script] = {
+    "sac": _off_policy(leanrl.sac),
+    "td3": _off_policy(leanrl.td3),
+    # gae, once an iteration, is captured at its third call (warmup=2): timed from the
+    # fourth, the updates and the next rollout between two calls.
+    "ppo": Script(_ppo, "gae", lambda args: PPO_STEPS, lambda args: 3),
+}
 
 
 def variants(backend: str) -> dict[str, Callable[[], leanrl.Wrap]]:
@@ -63,16 +117,17 @@ def sync(device: torch.device) -> None:
 
 
 class Clocked(leanrl.Wrap):
-    """A run's ``Wrap`` that also notes the time of each call of ``update_main``."""
+    """A run's ``Wrap`` that also notes the time of each call of the function ``clocked``."""
 
-    def __init__(self, wrap: leanrl.Wrap):
+    def __init__(self, wrap: leanrl.Wrap, clocked: str):
         super().__init__(wrap.cls, **wrap.options)
         self.made = wrap.made
+        self.clocked = clocked
         self.times: list[float] = []
 
     def __call__(self, fn: Any, **kwargs: Any) -> Any:
         wrapped = super().__call__(fn, **kwargs)
-        if getattr(fn, "__name__", "") != "update_main":
+        if getattr(fn, "__name__", "") != self.clocked:
             return wrapped
         times = self.times
 
@@ -84,21 +139,16 @@ class Clocked(leanrl.Wrap):
 
 
 def steady_rate(
-    script: Callable[..., dict[str, Any]],
-    wrap: leanrl.Wrap,
-    steps: int,
-    skip: int,
-    device: torch.device,
+    script: Script, wrap: leanrl.Wrap, device: torch.device, args: argparse.Namespace
 ) -> float:
-    """Steps per second of one run of ``steps`` steps, built anew: the steps between
-    ``update_main``'s call ``skip`` and its last, over the time between them."""
-    clock = Clocked(wrap)
-    args = leanrl.OffPolicyArgs(total_timesteps=steps, learning_starts=10, batch_size=256)
+    """Environment steps per second of one run, built anew: the ticks between the clocked
+    function's call ``skip`` and its last, over the time between them."""
+    clock = Clocked(wrap, script.clocked)
     sync(device)
-    script(clock, args, device)
+    script.run(clock, device, args)
     sync(device)
-    times = clock.times[skip:]
-    return (len(times) - 1) / (times[-1] - times[0])
+    times = clock.times[script.skip(args) :]
+    return (len(times) - 1) * script.steps(args) / (times[-1] - times[0])
 
 
 def report(name: str, backend: str, device: torch.device, args: argparse.Namespace) -> None:
@@ -114,13 +164,13 @@ def report(name: str, backend: str, device: torch.device, args: argparse.Namespa
                 continue
             wrap = made[variant]()
             try:
-                rates[variant].append(steady_rate(script, wrap, args.steps, args.skip, device))
+                rates[variant].append(steady_rate(script, wrap, device, args))
             except Exception as err:  # a wrapper that cannot run this loop (the corpus says why)
                 failed[variant] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
                 if device.type == "cuda":
                     leanrl._end_failed_captures(wrap.made, device)
     steady = {v: statistics.median(rates[v]) for v in names if v not in failed}
-    print(f"\n{name}: steps per second (median of {args.rounds} rounds)")
+    print(f"\n{name}: environment steps per second (median of {args.rounds} rounds)")
     for variant, why in failed.items():
         print(f"  {variant:13} n/a: {why}")
     for variant in steady:
@@ -135,14 +185,17 @@ def report(name: str, backend: str, device: torch.device, args: argparse.Namespa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scripts", default="sac,td3", help="comma-separated: sac, td3")
+    parser.add_argument("--scripts", default="sac,td3,ppo", help="comma-separated: sac, td3, ppo")
     parser.add_argument("--steps", type=int, default=500, help="steps of a run")
     parser.add_argument("--skip", type=int, default=20, help="update calls before timing")
+    parser.add_argument("--ppo-iterations", type=int, default=7, help="PPO's iterations")
     parser.add_argument("--rounds", type=int, default=3, help="rounds (median reported)")
     parser.add_argument("--emulate", action="store_true", help="the CPU emulation's graphs")
     args = parser.parse_args()
     if args.skip + 12 >= args.steps:
         parser.error("--steps must leave steps to time after --skip and the 10 random ones")
+    if args.ppo_iterations < 5:
+        parser.error("--ppo-iterations must leave iterations to time after the capture's")
     cuda = torch.cuda.is_available() and not args.emulate
     device = torch.device("cuda" if cuda else "cpu")
     backend = "cuda" if cuda else "emulate"

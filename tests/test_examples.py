@@ -83,11 +83,11 @@ def test_the_ablation_of_the_checks_follows_the_librarys_replay_path(what: str) 
 def test_the_leanrl_benchmark_runs_the_corpus_loops() -> None:
     # benchmarks/leanrl.py times the corpus's LeanRL loops end to end (docs/benchmarks.md):
     # on the emulation, a few steps of each, so that it keeps up with the corpus harness.
-    args = ("--emulate", "--steps", "20", "--skip", "4", "--rounds", "1")
+    args = ("--emulate", "--steps", "20", "--skip", "4", "--ppo-iterations", "5", "--rounds", "1")
     out = _run(ROOT / "benchmarks" / "leanrl.py", *args).stdout
-    for script in ("sac", "td3"):
-        assert f"{script}: steps per second" in out
-    assert out.count("cudagraph_td ") == 2 and out.count("eager ") >= 2
+    for script in ("sac", "td3", "ppo"):
+        assert f"{script}: environment steps per second" in out
+    assert out.count("cudagraph_td ") == 3 and out.count("eager ") >= 3
 
 
 def test_ddp_example_runs_on_two_processes() -> None:
