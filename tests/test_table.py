@@ -255,3 +255,43 @@ def test_a_tensordict_module_called_with_tensordict_out_replays_without_the_slow
     with pytest.raises(ValueError, match=re.escape(message)):
         graphed(minibatch(12), tensordict_out=out)
     assert slow[0] == 1 and not out.keys()
+
+
+@pytest.mark.parametrize("form", ["module, tensordict_out", "in_keys=[], writes its input"])
+def test_tensordict_calls_of_tensordicts_own_tests_replay_without_the_slow_path(
+    backend: Backend, form: str
+) -> None:
+    # Two forms of tensordict's own tests of its CudaGraphModule (test_tdmodule, in the
+    # corpus) that took the slow path at every call: a one-entry module called with
+    # `tensordict_out`, and a function given no in_keys that writes into its input and
+    # returns it.
+    if form == "module, tensordict_out":
+        module = TensorDictModule(lambda x: x * 2 + 1, in_keys=["x"], out_keys=["y"])
+        graphed = backend.wrap(module, warmup=2)
+    else:
+        graphed = backend.wrap(
+            lambda td: td.set("y", td.get("x") * 2 + 1), warmup=2, in_keys=[], out_keys=[]
+        )
+
+    def call() -> tuple[TensorDict, Any]:
+        td = TensorDict(x=backend.randn(5), batch_size=[5])
+        if form == "module, tensordict_out":
+            out = TensorDict()
+            assert graphed(td, tensordict_out=out) is out and "y" not in td
+            return td, out
+        assert graphed(td) is td
+        return td, td
+
+    for _ in range(3):  # two warm-ups, the capture
+        call()
+    slow = _slow_calls(graphed)
+    results = []
+    for _ in range(4):
+        td, out = call()
+        expected = td["x"] * 2 + 1
+        torch.testing.assert_close(out["y"], expected)
+        results.append((out["y"], expected))
+    assert slow[0] == 0
+    backend.sync()
+    for y, expected in results:  # later replays overwrote none of them
+        torch.testing.assert_close(y, expected)

@@ -456,7 +456,7 @@ class OneTensorPath(ReplayPath):
         position: Any = None
         name = out_key = None
         for reader, writer in routes:
-            if reader.keywords == TENSORDICT_OUT:  # its calls (with keywords) take the slow path
+            if reader.keywords == TENSORDICT_OUT:  # not unrolled (see `replay`)
                 continue
             if isinstance(reader, Keywords) and len(reader.names) == 1 and writer.returns_first:
                 (name,) = reader.names
@@ -478,6 +478,8 @@ class OneTensorPath(ReplayPath):
     def replay(self, args: Args, kwargs: Kwargs) -> Any:
         td = None
         if kwargs:  # Keywords
+            if TENSORDICT_OUT in kwargs:  # not unrolled: the general path's route for it
+                return ReplayPath.replay(self, args, kwargs)
             name = self._name
             if args or name is None or len(kwargs) != 1:
                 return MISS

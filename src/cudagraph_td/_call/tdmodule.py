@@ -32,6 +32,7 @@ from .replay import (
     TensorDictEntries,
     TensorDictEntriesOut,
     default_routes,
+    reader_for,
 )
 
 
@@ -201,9 +202,14 @@ class TensorDictLayer:
         wrote_input = isinstance(result, tuple) and len(result) == 2 and result[0] is WROTE_INPUT
         if not self.in_keys:
             # No in_keys (LeanRL's `CudaGraphModule(update, in_keys=[], out_keys=[])`): the
-            # graph reads the whole TensorDict and its result is returned as it is, as a
-            # plain function's; a result written into the input takes the full call.
-            return [] if wrote_input else default_routes(captured)
+            # graph reads the whole TensorDict, as a plain function's, and its result is
+            # returned as it is, or, written into the input, set into the caller's.
+            if not wrote_input:
+                return default_routes(captured)
+            whole, written = reader_for(signature), _tensor_keys(result[1])
+            if not isinstance(whole, TensorDictEntries) or written is None:
+                return []
+            return [(whole, IntoTensorDict(written, outputs.device))]
         if type(selected) is not TensorDict or not wrote_input:
             return []
         in_paths = _tensor_keys(selected)
