@@ -108,6 +108,27 @@ def counting(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def slow_replays(graphed: CudaGraphModule) -> list[int]:
+    """Count, from now on, the calls of ``graphed`` that fell off its replay path: those
+    that its slow path answered by replaying a graph captured before them (warm-ups and
+    captures are not counted). The count is the list's one item."""
+    count = [0]
+    slow = graphed._call
+
+    def replays() -> dict[tuple[str, str], int]:
+        return {(i.mode, repr(i.key)): i.replays for i in graphed.graphs() if i.captured}
+
+    def counted(args: Any, kwargs: Any) -> Any:
+        before = replays()
+        out = slow(args, kwargs)
+        after = replays()
+        count[0] += any(after[key] > n for key, n in before.items())
+        return out
+
+    graphed._call = counted  # type: ignore[method-assign]
+    return count
+
+
 def replays_as_eager(
     backend: Backend,
     graphed: Any,

@@ -48,7 +48,7 @@ from torch.distributions.normal import Normal
 
 from cudagraph_td import CudaGraphModule, _compat
 
-from ..conftest import Backend
+from ..conftest import Backend, slow_replays
 from .conftest import Recorder, same
 
 SOURCE = "LeanRL"
@@ -93,8 +93,21 @@ def _eager() -> Wrap:
     return Wrap()
 
 
-def _ours(backend: Backend) -> Wrap:
-    return Wrap(CudaGraphModule, backend=backend.name)
+class Counting(Wrap):
+    """This library's wrapper, each one's calls that fell off the replay path counted."""
+
+    def __init__(self, backend: Backend):
+        super().__init__(CudaGraphModule, backend=backend.name)
+        self.slow: list[list[int]] = []
+
+    def __call__(self, fn: Any, **kwargs: Any) -> Any:
+        wrapped = super().__call__(fn, **kwargs)
+        self.slow.append(slow_replays(wrapped))
+        return wrapped
+
+
+def _ours(backend: Backend) -> Counting:
+    return Counting(backend)
 
 
 def _tensordicts() -> Wrap:
@@ -144,6 +157,10 @@ def check(
     torch.testing.assert_close(split(got)[0], split(eager)[0], rtol=RTOL, atol=atol)
     for wrapper in ours.made:
         assert any(info.captured and info.replays for info in wrapper.graphs()), wrapper
+    # Every call after a graph's capture replays on the replay path: none is answered by
+    # the slow path's full check (LeanRL's updates were, at every call, until 2026-11-25).
+    fell_off = {repr(w): n[0] for w, n in zip(ours.made, ours.slow, strict=True) if n[0]}
+    assert not fell_off, f"calls that took the slow path after the capture: {fell_off}"
     if backend.name != "cuda":
         record("tensordict", "not run", "needs CUDA", backend=backend.name)
         return

@@ -51,7 +51,7 @@ from torch import nn
 
 from cudagraph_td import CudaGraphModule
 
-from ..conftest import Backend
+from ..conftest import Backend, slow_replays
 from .conftest import Recorder, same
 
 torchrl = pytest.importorskip("torchrl")
@@ -232,16 +232,31 @@ def _run(build: Build, device: torch.device, wrap: Wrap) -> Run:
     return Run(logged, state, agent.wrapped)
 
 
-def _ours(backend: Backend, **options: Any) -> Wrap:
-    return functools.partial(CudaGraphModule, backend=backend.name, **options)
+class _Ours:
+    """This library's wrapper, as the scripts call tensordict's; each wrapper's calls that
+    fell off the replay path are counted (`slow`)."""
+
+    def __init__(self, backend: Backend, **options: Any):
+        self.options = {"backend": backend.name, **options}
+        self.slow: list[tuple[Any, list[int]]] = []
+
+    def __call__(self, fn: Any, *args: Any, **kwargs: Any) -> CudaGraphModule:
+        wrapped = CudaGraphModule(fn, *args, **kwargs, **self.options)
+        self.slow.append((wrapped, slow_replays(wrapped)))
+        return wrapped
+
+
+def _ours(backend: Backend, **options: Any) -> _Ours:
+    return _Ours(backend, **options)
 
 
 def _check_matches_eager(
     backend: Backend, record: Recorder, build: Build, **options: Any
 ) -> list[Any]:
     """Run ``build`` graphed and eager; assert that they match and that graphs replayed."""
+    ours = _ours(backend, **options)
     try:
-        graphed = _run(build, backend.device, _ours(backend, **options))
+        graphed = _run(build, backend.device, ours)
     except Exception as err:  # the row's outcome, then the test's failure
         record("cudagraph_td", "raises", f"{type(err).__name__}: {err}", backend=backend.name)
         raise
@@ -252,6 +267,10 @@ def _check_matches_eager(
     assert graphed.wrapped, "the build wrapped nothing"
     for wrapper in graphed.wrapped:
         assert any(info.captured and info.replays for info in wrapper.graphs()), wrapper
+    # Every call after a graph's capture replays on the replay path: none is answered by
+    # the slow path's full check (the scripts' updates were, at every call, until 2026-11-25).
+    fell_off = {repr(w)[:200]: n[0] for w, n in ours.slow if n[0]}
+    assert not fell_off, f"calls that took the slow path after the capture: {fell_off}"
     record("cudagraph_td", "matches eager", backend=backend.name)
     _attempt_tensordict(backend, record, build, eager)
     return graphed.wrapped
