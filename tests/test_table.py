@@ -295,3 +295,49 @@ def test_tensordict_calls_of_tensordicts_own_tests_replay_without_the_slow_path(
     backend.sync()
     for y, expected in results:  # later replays overwrote none of them
         torch.testing.assert_close(y, expected)
+
+
+@pytest.mark.parametrize("form", ["static bool", "keyword tensor"])
+def test_torchrls_update_forms_replay_without_the_slow_path(backend: Backend, form: str) -> None:
+    # torchrl's sota scripts: `CudaGraphModule(update, in_keys=[], out_keys=[], warmup=5)`
+    # called as `update(td, update_actor)` (TD3, a bool declared static, alternating) or
+    # `update(batch, num_network_updates=t)` (PPO, a keyword tensor). Both took the slow
+    # path at every call: a route needed one TensorDict and nothing else.
+    def make(net: nn.Module) -> Any:
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+        def step(td: TensorDict, weight: torch.Tensor | float) -> TensorDict:
+            opt.zero_grad(set_to_none=False)
+            loss = (net(td["obs"]) * weight).pow(2).mean()
+            loss.backward()
+            opt.step()
+            return TensorDict(loss=loss.detach())
+
+        if form == "static bool":
+            return lambda td, update_actor: step(td, 2.0 if update_actor else 1.0)
+        return lambda td, num_network_updates: step(td, num_network_updates)
+
+    torch.manual_seed(0)
+    net = nn.Linear(4, 1).to(backend.device)
+    twin = nn.Linear(4, 1).to(backend.device)
+    twin.load_state_dict(net.state_dict())
+    options: dict[str, Any] = {"static": ("update_actor",)} if form == "static bool" else {}
+    graphed = backend.wrap(make(net), in_keys=[], out_keys=[], warmup=2, **options)
+    eager = make(twin)
+
+    def call(i: int) -> tuple[Any, Any]:
+        td = TensorDict(obs=backend.randn(8, 4), batch_size=[8])
+        if form == "static bool":
+            return graphed(td, i % 2 == 0), eager(td, i % 2 == 0)
+        n = torch.full((), float(i % 3), device=backend.device)
+        return graphed(td, num_network_updates=n), eager(td, num_network_updates=n.clone())
+
+    for i in range(6):  # each graph's warm-ups and capture
+        call(i)
+    slow = _slow_calls(graphed)
+    for i in range(6, 12):
+        got, expected = call(i)
+        torch.testing.assert_close(got["loss"], expected["loss"])
+    assert slow[0] == 0
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q)

@@ -195,21 +195,22 @@ class TensorDictLayer:
         None for any other graph: every call takes the full call.
         """
         signature, outputs = captured.signature, captured.outputs
-        if signature.static_kwargs or len(signature.static_args) != 1:
-            return []
-        selected = signature.static_args[0]
         result = outputs.rebuild(outputs.static)
         wrote_input = isinstance(result, tuple) and len(result) == 2 and result[0] is WROTE_INPUT
         if not self.in_keys:
-            # No in_keys (LeanRL's `CudaGraphModule(update, in_keys=[], out_keys=[])`): the
-            # graph reads the whole TensorDict, as a plain function's, and its result is
-            # returned as it is, or, written into the input, set into the caller's.
+            # No in_keys (LeanRL's and torchrl's `CudaGraphModule(update, in_keys=[],
+            # out_keys=[])`): the graph reads the call's arguments as a plain function's
+            # (the TensorDict whole, and any other argument), and its result is returned as
+            # it is, or, written into the one TensorDict, set into the caller's.
             if not wrote_input:
                 return default_routes(captured)
             whole, written = reader_for(signature), _tensor_keys(result[1])
             if not isinstance(whole, TensorDictEntries) or written is None:
                 return []
             return [(whole, IntoTensorDict(written, outputs.device))]
+        if signature.static_kwargs or len(signature.static_args) != 1:
+            return []
+        selected = signature.static_args[0]
         if type(selected) is not TensorDict or not wrote_input:
             return []
         in_paths = _tensor_keys(selected)
