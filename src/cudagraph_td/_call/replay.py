@@ -81,7 +81,7 @@ def call(captured: Captured, args: Args, kwargs: Kwargs) -> Any:
 
 class Reader(Protocol):
     # Whether it reads calls with keywords (True), without (False), or both (None); or
-    # TENSORDICT_OUT: calls ``module(td, tensordict_out=out)`` only (see `TensorDictEntries`).
+    # TENSORDICT_OUT: calls ``module(td, tensordict_out=out)`` only (`TensorDictEntriesOut`).
     keywords: bool | str | None
 
     def read(self, args: Args, kwargs: Kwargs) -> Sequence[Any] | None:
@@ -284,7 +284,7 @@ class IntoTensorDict:
         self.into_out = into_out
 
     def write(self, args: Args, kwargs: Kwargs, fresh: Sequence[torch.Tensor]) -> Any:
-        # A TensorDict itself (see `TensorDictEntries.read` and `.read_into_out`).
+        # A TensorDict itself (see `TensorDictEntries.read` and `TensorDictEntriesOut.read`).
         td = kwargs[TENSORDICT_OUT] if self.into_out else args[0]
         device = td.device
         put = td_set if self.flat and (device is None or device == self.device) else _checked
@@ -334,9 +334,9 @@ class ReplayPath:
 
     ``routes`` holds a route for calls without keywords and one for calls with keywords,
     or one route for both (its reader tells), and for a TensorDict module a route for calls
-    with ``tensordict_out`` (else they take the keywords' route). ``source`` is the graph it replays (for a
-    bucket's rows, the bucket's graph) and ``runner`` the graph's runner: the path is
-    ``alive`` while the runner still holds that graph (a recapture replaces it).
+    with ``tensordict_out`` (else they take the keywords' route). ``source`` is the graph
+    it replays (for a bucket's rows, the bucket's graph) and ``runner`` the graph's runner:
+    the path is ``alive`` while the runner still holds that graph (a recapture replaces it).
     """
 
     hits = 0  # the calls it answered

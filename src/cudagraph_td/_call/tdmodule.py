@@ -182,17 +182,18 @@ class TensorDictLayer:
         return out
 
     def routes(self, captured: Captured) -> list[Route]:
-        """The replay path's routes for a graph of ``module(td)`` that wrote into ``td``, or
-        of a function given no ``in_keys``.
+        """The replay path's routes for a graph of a TensorDict module, or of a function
+        given no ``in_keys``.
 
         ``module(td)``: the ``in_keys`` entries read by key, the written entries set into
         ``td``; ``module(td, tensordict_out=out)``: the same entries, the written ones set
-        into ``out``. Without ``in_keys``: the function's own route (`_call.replay.default_routes`),
-        the whole TensorDict read and the result returned as the function returned it.
-        ``module(**tensors)``, for a graph captured with a TensorDict of batch size ``[]``
-        (what a keyword call builds): the keyword tensors read by name (nested keys
-        joined with ``"_"``, as tensordict's dispatch does), the out_keys' values returned.
-        None for any other graph: every call takes the full call.
+        into ``out``; ``module(**tensors)``, for a graph captured with a TensorDict of batch
+        size ``[]`` (what a keyword call builds): the keyword tensors read by name (nested
+        keys joined with ``"_"``, as tensordict's dispatch does), the out_keys' values
+        returned. Without ``in_keys``: the call's arguments read as a plain function's
+        (`_call.replay.reader_for`), the result returned as the function returned it, or
+        the entries it wrote into its one TensorDict set into the caller's. None for any
+        other graph: every call takes the full call.
         """
         signature, outputs = captured.signature, captured.outputs
         result = outputs.rebuild(outputs.static)
