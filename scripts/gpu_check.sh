@@ -5,6 +5,7 @@
 # the repository root:
 #   bash scripts/gpu_check.sh                 # tests and examples
 #   TESTS=0 BENCH=1 bash scripts/gpu_check.sh # the benchmark alone (SOAK=0: without the soak)
+#   TESTS=0 TORCHRL=0 SOAK=0 LEANRL=1 bash scripts/gpu_check.sh  # LeanRL's loops end to end
 # It installs the wheels that ../shared/gpu/fetch-wheels.sh put in .whl/ (if any), and writes
 # its logs to $OUT (or ./gpu-logs when OUT is unset); test-pairs.log pairs each test body's
 # outcome on the emulation with its outcome on CUDA (scripts/test_pairs.py). With wheels in
@@ -86,5 +87,12 @@ if [ "${BENCH:-0}" = 1 ]; then
   [ -d benchmarks/baseline/cudagraph_td_baseline ] && baseline=(--baseline benchmarks/baseline)
   python3 benchmarks/run.py --repeats "${REPEATS:-9}" "${baseline[@]}" --out "$out/bench" \
     --name "${BENCH_NAME:-h100}" 2>&1 | tee "$out/bench.log" || status=1
+fi
+if [ "${LEANRL:-0}" = 1 ]; then
+  # LeanRL's SAC, TD3 and PPO loops end to end: eager, tensordict's class, cudagraph_td
+  # (benchmarks/leanrl.py; about 2 minutes on an H100 with these settings).
+  # shellcheck disable=SC2086  # the settings' words are its arguments
+  python3 benchmarks/leanrl.py ${LEANRL_ARGS:---steps 700 --skip 30 --rounds 5} 2>&1 \
+    | tee "$out/leanrl.log" || status=1
 fi
 exit $status
