@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import torch
 
+from ..conftest import slow_replays
+
 OUTCOMES = ("matches eager", "differs from eager", "raises", "not run")
 
 
@@ -78,3 +80,19 @@ def same(a: Any, b: Any, rtol: float = 1e-4, atol: float = 1e-5) -> bool:
     except AssertionError:
         return False
     return True
+
+
+class OnReplayPath:
+    """The wrappers of a run (``watch`` each as it is made), and an assertion (``check``)
+    that no call after a graph's capture took the wrapper's slow path."""
+
+    def __init__(self) -> None:
+        self.counts: list[tuple[Any, list[int]]] = []
+
+    def watch(self, wrapper: Any) -> Any:
+        self.counts.append((wrapper, slow_replays(wrapper)))
+        return wrapper
+
+    def check(self) -> None:
+        fell_off = {repr(w)[:200]: n[0] for w, n in self.counts if n[0]}
+        assert not fell_off, f"calls that took the slow path after the capture: {fell_off}"

@@ -51,8 +51,8 @@ from torch import nn
 
 from cudagraph_td import CudaGraphModule
 
-from ..conftest import Backend, slow_replays
-from .conftest import Recorder, same
+from ..conftest import Backend
+from .conftest import OnReplayPath, Recorder, same
 
 torchrl = pytest.importorskip("torchrl")
 from tensordict.nn import (  # noqa: E402
@@ -234,15 +234,16 @@ def _run(build: Build, device: torch.device, wrap: Wrap) -> Run:
 
 class _Ours:
     """This library's wrapper, as the scripts call tensordict's; each wrapper's calls that
-    fell off the replay path are counted (`slow`)."""
+    fell off the replay path are counted (`replay_path`)."""
 
     def __init__(self, backend: Backend, **options: Any):
         self.options = {"backend": backend.name, **options}
-        self.slow: list[tuple[Any, list[int]]] = []
+        self.replay_path = OnReplayPath()
 
     def __call__(self, fn: Any, *args: Any, **kwargs: Any) -> CudaGraphModule:
-        wrapped = CudaGraphModule(fn, *args, **kwargs, **self.options)
-        self.slow.append((wrapped, slow_replays(wrapped)))
+        wrapped: CudaGraphModule = self.replay_path.watch(
+            CudaGraphModule(fn, *args, **kwargs, **self.options)
+        )
         return wrapped
 
 
@@ -269,8 +270,7 @@ def _check_matches_eager(
         assert any(info.captured and info.replays for info in wrapper.graphs()), wrapper
     # Every call after a graph's capture replays on the replay path: none is answered by
     # the slow path's full check (the scripts' updates were, at every call, until 2026-11-25).
-    fell_off = {repr(w)[:200]: n[0] for w, n in ours.slow if n[0]}
-    assert not fell_off, f"calls that took the slow path after the capture: {fell_off}"
+    ours.replay_path.check()
     record("cudagraph_td", "matches eager", backend=backend.name)
     _attempt_tensordict(backend, record, build, eager)
     return graphed.wrapped
