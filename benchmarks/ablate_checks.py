@@ -37,6 +37,12 @@ DEVICE = torch.device("cpu" if EMULATE else "cuda")
 BACKEND = "emulate" if EMULATE else "cuda"
 
 
+def _n(count: int) -> int:
+    """``count`` repetitions on a GPU; on the emulation, which times nothing of a GPU's and
+    only shows that every step runs, a hundredth of them (at least 2)."""
+    return max(2, count // 100) if EMULATE else count
+
+
 def main() -> None:
     device = DEVICE
     td = TensorDict(observation=torch.randn(32, 17, device=device), batch_size=[32])
@@ -75,7 +81,7 @@ def main() -> None:
             "any autocast alone": torch._C._is_any_autocast_enabled,
             "get_ident alone": threading.get_ident,
         }
-        _time(calls, rounds=400, burst=16)
+        _time(calls, rounds=_n(400), burst=16)
 
 
 def _raw_stream() -> dict[str, Any]:
@@ -141,7 +147,7 @@ def _cycling(graphed: Any, graphs: Any) -> dict[str, Any]:
     rng = random.Random(1)
     tds = [
         TensorDict(observation=torch.randn(n, 17, device=DEVICE), batch_size=[n])
-        for n in (rng.randint(1, 64) for _ in range(512))
+        for n in (rng.randint(1, 64) for _ in range(_n(512)))
     ]
     for td in tds:
         graphed(td)
@@ -238,14 +244,14 @@ def buckets() -> None:
             "td.shape alone": lambda: td.shape,
             **_pieces(graphed, td),
         }
-        _time(calls, rounds=300, burst=16)
+        _time(calls, rounds=_n(300), burst=16)
         profile_calls = calls.get("cudagraph_td", calls["wrapper, one size"])
     import cProfile
     import pstats
 
     with torch.no_grad():
         profile = cProfile.Profile()
-        profile.runcall(lambda: [profile_calls() for _ in range(3000)])
+        profile.runcall(lambda: [profile_calls() for _ in range(_n(3000))])
     sync()
     pstats.Stats(profile).sort_stats("tottime").print_stats(14)
 
@@ -278,7 +284,7 @@ def after_other_work() -> None:
     }
     for name, work in before.items():
         times = []
-        for i in range(4000):
+        for i in range(_n(4000)):
             work(i)
             sync()
             with torch.no_grad():

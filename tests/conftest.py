@@ -195,13 +195,37 @@ def run_python(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def record(name: str, **values: Any) -> None:
-    """Add ``values`` to the figures reported under ``name``, summing counts."""
-    figures = FIGURES.setdefault(name, {})
-    for key, value in values.items():
-        if isinstance(value, int) and not isinstance(value, bool) and key in figures:
-            figures[key] += value
-        else:
-            figures[key] = value
+    """Add ``values`` to the figures reported under ``name``, summing counts.
+
+    They travel in the test's report (``user_properties``), so that the summary sums them
+    whichever process ran the test (pytest-xdist's workers included)."""
+    _PENDING.append((name, values))
+
+
+# Figures recorded by the test running in this process, not yet in its report.
+_PENDING: list[tuple[str, dict[str, Any]]] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    outcome = yield
+    if call.when == "teardown" and _PENDING:
+        outcome.get_result().user_properties.append(("figures", list(_PENDING)))
+        _PENDING.clear()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # Runs where the session is reported: in the one process, or in xdist's controller.
+    for key, recorded in report.user_properties:
+        if key != "figures":
+            continue
+        for name, values in recorded:
+            figures = FIGURES.setdefault(name, {})
+            for k, value in values.items():
+                if isinstance(value, int) and not isinstance(value, bool) and k in figures:
+                    figures[k] += value
+                else:
+                    figures[k] = value
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
