@@ -87,7 +87,7 @@ class InputViews:
             i = within[0]
             t = inputs[i]
             detach = t.requires_grad and not out.requires_grad  # `x.detach()`, `x.data`
-            offset = out.storage_offset() - t.storage_offset()
+            offset = int(out.storage_offset() - t.storage_offset())
             views.views.append((j, i, out.shape, out.stride(), offset, t.stride(), detach))
         if not views.same and not views.views:
             return None
