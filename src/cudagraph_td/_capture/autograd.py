@@ -191,13 +191,14 @@ class DifferentiableCall:
         # `_values.input_views`): the node's copies of them are dropped, and autograd gives
         # their gradients straight to the inputs (the backward graph gets zeros for them).
         self._views = views
+        self._touches_inputs = bool(mutated) or views is not None
 
     def launch(
         self, tensors: Sequence[torch.Tensor], ungraded: tuple[str, ...] = ()
     ) -> Sequence[torch.Tensor]:
         """Replay the forward on ``tensors`` (checked) inside the autograd node, whose
         backward refuses to run if ``ungraded`` names inputs (see ``ungraded``)."""
-        if self._writes.indices or self._views is not None:  # decided at capture
+        if self._touches_inputs:  # decided at capture: the others check nothing
             return self._launch_writing(tensors, ungraded)
         return _GraphedFunction.apply(self, ungraded, *tensors, *self.params)  # type: ignore[no-any-return]
 

@@ -59,6 +59,7 @@ class GraphCall:
         # Outputs that are inputs or views of them, taken from the caller's tensors; only
         # the others are copied (see `_values.input_views`).
         self._views = views
+        self._touches_inputs = bool(mutated) or views is not None
         if views is not None:
             computed = [outputs.static[j] for j in views.computed]
             self._fresh = FreshCopies(computed, outputs.device).make
@@ -82,7 +83,7 @@ class GraphCall:
         """Copy ``tensors`` (checked) into the static inputs, replay, return fresh outputs."""
         if self._watch is not None:  # a training step: its gradients and hyperparameters
             self._watch()
-        if self._writes.indices or self._views is not None:  # decided at capture
+        if self._touches_inputs:  # decided at capture: the others check nothing
             return self._launch_writing(tensors)
         if tensors:
             foreach_copy_(self._static_inputs, tensors)  # type: ignore[arg-type]
