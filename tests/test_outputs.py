@@ -10,6 +10,7 @@ import pytest
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, tensorclass
 
+from cudagraph_td import InputMismatchError
 from cudagraph_td._values.outputs import Outputs
 
 from .conftest import Backend, replays_as_eager
@@ -190,3 +191,158 @@ def _leaves_of(tree: Any) -> list[torch.Tensor]:
     if isinstance(tree, tuple | list):
         return [leaf for value in tree for leaf in _leaves_of(value)]
     return []
+
+
+# Outputs that are inputs, or views of inputs: returned as eager returns them, on every call.
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _calls(n: int = 4) -> range:
+    """Call numbers that cover a warm-up (1), the capture (2) and replays (3, 4)."""
+    return range(n)
+
+
+def test_a_returned_input_is_the_callers_tensor_on_every_call(backend: Backend) -> None:
+    graphed = backend.wrap(lambda x: x)
+    for _ in _calls():
+        x = backend.randn(4, 3)
+        out = graphed(x)
+        assert out is x
+        out.add_(1)  # reaches the caller's tensor, as in eager mode
+        backend.sync()
+        torch.testing.assert_close(x, out)
+
+
+def test_a_returned_keyword_input_is_the_callers_tensor(backend: Backend) -> None:
+    graphed = backend.wrap(lambda *, obs, scale: (obs, obs * scale))
+    for _ in _calls():
+        obs, scale = backend.randn(4, 3), backend.randn(3)
+        same, scaled = graphed(obs=obs, scale=scale)
+        assert same is obs
+        torch.testing.assert_close(scaled, obs * scale)
+
+
+VIEWS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "slice": lambda x: x[:, :2],
+    "transpose": lambda x: x.t(),
+    "row": lambda x: x[1],
+    "reshape": lambda x: x.view(2, 6),
+}
+
+
+@pytest.mark.parametrize("view", list(VIEWS))
+def test_a_view_of_an_input_is_the_same_view_of_the_callers_tensor(
+    backend: Backend, view: str
+) -> None:
+    fn = VIEWS[view]
+    graphed = backend.wrap(fn)
+    for _ in _calls():
+        x = backend.randn(4, 3)
+        out, expected = graphed(x), fn(x)
+        assert _same_memory(out, x)
+        assert (out.shape, out.stride(), out.storage_offset()) == (
+            expected.shape,
+            expected.stride(),
+            expected.storage_offset(),
+        )
+        out.mul_(0)  # reaches the caller's tensor, as in eager mode
+        backend.sync()
+        torch.testing.assert_close(fn(x), torch.zeros_like(expected))
+
+
+def test_a_view_beside_a_computed_output_keeps_the_computed_one_fresh(backend: Backend) -> None:
+    fn = lambda x: {"head": x[:2], "double": x * 2}  # noqa: E731
+    graphed = backend.wrap(fn)
+    kept = []
+    for _ in _calls(5):
+        x = backend.randn(4, 3)
+        out = graphed(x)
+        assert _same_memory(out["head"], x) and out["head"].storage_offset() == 0
+        assert not _same_memory(out["double"], x)
+        torch.testing.assert_close(out["double"], x * 2)
+        kept.append((out["double"], (x * 2).clone()))
+    backend.sync()
+    for double, expected in kept:  # later replays changed no earlier result
+        torch.testing.assert_close(double, expected)
+
+
+def test_a_returned_input_written_in_place_is_the_callers_tensor(backend: Backend) -> None:
+    def fn(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x.mul_(2)
+        return x, x + y
+
+    graphed = backend.wrap(fn)
+    for _ in _calls():
+        x, y = backend.randn(4, 3), backend.randn(4, 3)
+        before = x.clone()
+        same, total = graphed(x, y)
+        assert same is x
+        torch.testing.assert_close(x, before * 2)
+        torch.testing.assert_close(total, before * 2 + y)
+
+
+def test_a_tensordict_entry_returned_is_the_callers_entry(backend: Backend) -> None:
+    graphed = backend.wrap(lambda td: (td["obs"], td["obs"].sum(-1)))
+    for _ in _calls():
+        td = TensorDict(obs=backend.randn(4, 3), batch_size=[4])
+        obs, total = graphed(td)
+        assert obs is td["obs"]
+        torch.testing.assert_close(total, td["obs"].sum(-1))
+
+
+def test_a_module_that_writes_views_of_an_in_key_keeps_the_callers_memory(
+    backend: Backend,
+) -> None:
+    from tensordict.nn import TensorDictModule
+
+    module = TensorDictModule(
+        lambda obs: (obs, obs[:, :2], obs * 2), in_keys=["obs"], out_keys=["obs", "head", "y"]
+    )
+    graphed = backend.wrap(module)
+    for _ in _calls():
+        obs = backend.randn(4, 3)
+        td = TensorDict(obs=obs, batch_size=[4])
+        assert graphed(td) is td
+        assert td["obs"] is obs
+        assert _same_memory(td["head"], obs)
+        torch.testing.assert_close(td["head"], obs[:, :2])
+        torch.testing.assert_close(td["y"], obs * 2)
+
+
+def test_a_returned_input_that_requires_grad_is_the_callers_tensor(backend: Backend) -> None:
+    weight = backend.randn(3, requires_grad=True)
+    fn = lambda x: (x, x[:, :2], x * weight)  # noqa: E731
+    graphed = backend.wrap(fn)
+    for _ in _calls():
+        x = backend.randn(4, 3, requires_grad=True)
+        same, head, scaled = graphed(x)
+        assert same is x and _same_memory(head, x)
+        (same.sum() + (head * 3).sum() + scaled.pow(2).sum()).backward()
+        grad, weight_grad = x.grad, weight.grad
+        x.grad = weight.grad = None
+        e_same, e_head, e_scaled = fn(x)
+        (e_same.sum() + (e_head * 3).sum() + e_scaled.pow(2).sum()).backward()
+        torch.testing.assert_close(grad, x.grad)
+        torch.testing.assert_close(weight_grad, weight.grad)
+        weight.grad = None
+
+
+def test_a_view_of_an_input_in_another_layout_is_refused(backend: Backend) -> None:
+    graphed = backend.wrap(lambda x: x[:, :2])
+    for _ in _calls(3):
+        graphed(backend.randn(4, 3))
+    transposed = backend.randn(3, 4).t()
+    with pytest.raises(
+        InputMismatchError, match=r"output is a view of args\[0\].*strides \(3, 1\).*\(1, 4\)"
+    ):
+        graphed(transposed)
+
+
+def test_an_output_in_an_inputs_memory_of_another_dtype_is_refused(backend: Backend) -> None:
+    graphed = backend.wrap(lambda x: x.view(torch.int32))
+    graphed(backend.randn(4, 3))  # the warm-up: eager's answer
+    with pytest.raises(ValueError, match=r"returned output in the memory of args\[0\], but not"):
+        graphed(backend.randn(4, 3))

@@ -55,7 +55,10 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
     ``warmup - 1`` run the function eagerly on a side stream; call ``warmup`` captures the
     graph and returns a real result; every later call copies its tensor inputs into the
     graph's static buffers, replays the graph on the caller's current stream, and returns
-    the outputs in fresh memory, so that a result never changes when called again.
+    the outputs in fresh memory, so that a result never changes when called again. An
+    output that is one of the caller's input tensors, or a view of one, is returned as
+    eager mode returns it on every call: the caller's tensor, or the same view of it (see
+    the sharp edges page, "Static addresses").
 
     Inputs and outputs may be any pytree of tensors, TensorDicts, tensorclasses and
     non-tensor constants, passed positionally or by keyword. Every replay checks its inputs

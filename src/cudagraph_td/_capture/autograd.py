@@ -21,6 +21,7 @@ from .._errors import inputs as _errors
 from .._state.state import State
 from .._values import tree as _tree
 from .._values.aliasing import WrittenInputs, versions, written
+from .._values.input_views import InputViews
 from .._values.outputs import FreshCopies, Outputs
 from .._values.signature import Signature
 from . import sharing as _sharing
@@ -148,6 +149,7 @@ class DifferentiableCall:
         backward: BackwardGraph,
         state: State | None,
         order: _sharing.ReplayOrder | None = None,
+        views: InputViews | None = None,
     ):
         self.name = name
         self.order = order  # the device's replay order (see `_capture.sharing`); None off CUDA
@@ -185,26 +187,38 @@ class DifferentiableCall:
         # The inputs that the forward writes in place, copied back to the caller's tensors;
         # a call where another input shares their memory is refused (see `_values.aliasing`).
         self._writes = WrittenInputs(signature, mutated)
+        # Outputs that are inputs or views of them, taken from the caller's tensors (see
+        # `_values.input_views`): the node's copies of them are dropped, and autograd gives
+        # their gradients straight to the inputs (the backward graph gets zeros for them).
+        self._views = views
+        self._touches_inputs = bool(mutated) or views is not None
 
     def launch(
         self, tensors: Sequence[torch.Tensor], ungraded: tuple[str, ...] = ()
     ) -> Sequence[torch.Tensor]:
         """Replay the forward on ``tensors`` (checked) inside the autograd node, whose
         backward refuses to run if ``ungraded`` names inputs (see ``ungraded``)."""
-        if self._writes.indices:  # decided at capture: a graph that writes no input checks nothing
+        if self._touches_inputs:  # decided at capture: the others check nothing
             return self._launch_writing(tensors, ungraded)
         return _GraphedFunction.apply(self, ungraded, *tensors, *self.params)  # type: ignore[no-any-return]
 
     def _launch_writing(
         self, tensors: Sequence[torch.Tensor], ungraded: tuple[str, ...]
     ) -> Sequence[torch.Tensor]:
-        """``launch`` for a forward that writes into inputs: refused, before anything is
-        copied, if another input shares their memory; their new values reach the caller, as
-        in eager mode."""
+        """``launch`` for a forward that writes into inputs, or returns some: refused, before
+        anything is copied, if another input shares the memory of one it writes, or if one
+        that it returns a view of is laid out otherwise; the new values of those it writes
+        reach the caller, and those it returns are the caller's, as in eager mode."""
+        views = self._views
         self._writes.check(tensors)
+        if views is not None:
+            views.check(tensors)
         outputs = _GraphedFunction.apply(self, ungraded, *tensors, *self.params)
-        with torch.no_grad():
-            self._writes.copy_back(tensors)
+        if self._writes.indices:
+            with torch.no_grad():
+                self._writes.copy_back(tensors)
+        if views is not None:
+            return views.result([outputs[j] for j in views.computed], tensors)
         return outputs  # type: ignore[no-any-return]
 
     def ungraded(self, tensors: Sequence[torch.Tensor]) -> tuple[str, ...]:
@@ -245,6 +259,7 @@ class Capture:
         backend: Backend,
         mutated: list[int],
         allow_unused_input: bool,
+        views: InputViews | None = None,
     ):
         self.name = name
         self.fn = fn
@@ -254,6 +269,7 @@ class Capture:
         # The inputs that the forward writes in place: read from the static inputs once the
         # forward has run on them (see `_values.aliasing`), else ``mutated``, an eager run's.
         self.mutated = mutated
+        self.views = views  # the outputs that are inputs or views of them, if any
         self._versions = versions(signature.static_inputs)
         self._ran = False  # whether the forward ran on the static inputs
         self.call: DifferentiableCall | None = None  # built by capture_backward
@@ -419,7 +435,15 @@ class Capture:
         if self._ran:
             mutated = written(self.signature.static_inputs, self._versions)
         self.call = DifferentiableCall(
-            self.name, self.signature, mutated, self._params, forward, backward, state, order
+            self.name,
+            self.signature,
+            mutated,
+            self._params,
+            forward,
+            backward,
+            state,
+            order,
+            self.views,
         )
         self._forward = None
         return self.call
@@ -434,10 +458,11 @@ def capture_differentiable(
     inputs: list[torch.Tensor],
     mutated: list[int],
     state: Callable[[], State | None],
+    views: InputViews | None = None,
 ) -> DifferentiableCall:
     """Capture ``fn`` for autograd, from ``example``, its eager result on ``inputs``; the
     call follows the ``state()`` found once the forward is captured."""
-    capture = Capture(name, fn, signature, backend, mutated, allow_unused_input=True)
+    capture = Capture(name, fn, signature, backend, mutated, allow_unused_input=True, views=views)
     capture.warmup_backward(example, inputs)
     capture.capture_forward()
     return capture.capture_backward(state())

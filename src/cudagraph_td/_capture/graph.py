@@ -24,7 +24,8 @@ from .._state import training as _training
 from .._state.state import State
 from .._values import tree as _tree
 from .._values.aliasing import WrittenInputs, versions, written
-from .._values.outputs import Outputs
+from .._values.input_views import InputViews
+from .._values.outputs import FreshCopies, Outputs
 from .._values.signature import Signature, validate
 from .autograd import capture_differentiable
 from .backend import Backend, Graph
@@ -41,6 +42,7 @@ class GraphCall:
         mutated: list[int],
         watch: _training.Watch | None,
         state: State | None,
+        views: InputViews | None = None,
     ):
         self.signature = signature
         self.state = state
@@ -54,15 +56,26 @@ class GraphCall:
         # a call where another input shares their memory is refused (see `_values.aliasing`).
         self._writes = WrittenInputs(signature, mutated)
         self._fresh = outputs.copies.make
+        # Outputs that are inputs or views of them, taken from the caller's tensors; only
+        # the others are copied (see `_values.input_views`).
+        self._views = views
+        self._touches_inputs = bool(mutated) or views is not None
+        if views is not None:
+            computed = [outputs.static[j] for j in views.computed]
+            self._fresh = FreshCopies(computed, outputs.device).make
         # One tensor in and one out, nothing else to do: the replay path launches it itself.
         one = len(self._static_inputs) == 1 and len(outputs.static) == 1
         self.bare: tuple[list[torch.Tensor], torch.Tensor, Callable[[], None]] | None = None
-        if one and not mutated and watch is None:
+        if one and not mutated and watch is None and views is None:
             self.bare = (self._static_inputs, outputs.static[0], self._replay)
 
     def rows(self, signature: Signature, outputs: Outputs) -> GraphCall:
         """This graph replayed on fewer rows: ``signature``'s static inputs and ``outputs``'
-        static tensors are views of the first rows of this graph's (a bucket's graph)."""
+        static tensors are views of the first rows of this graph's (a bucket's graph).
+
+        Its outputs are all copies: an output that is a view of an input is one of the
+        padded input here, as on the padded calls that warmed up and captured the graph.
+        """
         mutated = self._writes.indices
         return GraphCall(signature, self.graph, outputs, mutated, self._watch, self.state)
 
@@ -70,7 +83,7 @@ class GraphCall:
         """Copy ``tensors`` (checked) into the static inputs, replay, return fresh outputs."""
         if self._watch is not None:  # a training step: its gradients and hyperparameters
             self._watch()
-        if self._writes.indices:  # decided at capture: a graph that writes no input checks nothing
+        if self._touches_inputs:  # decided at capture: the others check nothing
             return self._launch_writing(tensors)
         if tensors:
             foreach_copy_(self._static_inputs, tensors)  # type: ignore[arg-type]
@@ -78,12 +91,20 @@ class GraphCall:
         return self._fresh()
 
     def _launch_writing(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
-        """``launch`` for a graph that writes into inputs: refused, before anything is copied,
-        if another input shares their memory; their new values reach the caller, as in eager."""
+        """``launch`` for a graph that writes into inputs, or returns some: refused, before
+        anything is copied, if another input shares the memory of one it writes, or if one
+        that it returns a view of is laid out otherwise; the new values of those it writes
+        reach the caller, and those it returns are the caller's, as in eager mode."""
+        views = self._views
         self._writes.check(tensors)
+        if views is not None:
+            views.check(tensors)
         foreach_copy_(self._static_inputs, tensors)  # type: ignore[arg-type]
         self._replay()
-        self._writes.copy_back(tensors)
+        if self._writes.indices:
+            self._writes.copy_back(tensors)
+        if views is not None:
+            return views.result(self._fresh(), tensors)
         return self._fresh()
 
 
@@ -119,11 +140,13 @@ def capture(
     # counter (one tensor passed twice, views of one): the graph's own copies, which the
     # capture runs the function on, tell which ones the graph writes (see `_values.aliasing`).
     mutated = written(inputs, before)
+    # Outputs that are the caller's inputs or views of them: every call returns them so.
+    views = InputViews.of(signature, result, inputs)
     if grad and _path_requiring_grad(result):
         # Autograd holds the parameters it differentiates: they are followed by identity too.
         follow = functools.partial(observed.state, name, identity=True)
         call = capture_differentiable(
-            name, fn, signature, backend.for_autograd(), result, inputs, mutated, follow
+            name, fn, signature, backend.for_autograd(), result, inputs, mutated, follow, views
         )
         return call, result
     for t, path in zip(signature.static_inputs, signature.tensor_paths(), strict=True):
@@ -154,7 +177,7 @@ def capture(
         graph = _training.PinnedGrads(graph, watch)
     # A training step's optimizers hold its parameters: followed by identity too.
     state = observed.state(name, identity=watch is not None)
-    return GraphCall(signature, graph, outputs, mutated, watch, state), result
+    return GraphCall(signature, graph, outputs, mutated, watch, state, views), result
 
 
 def _path_requiring_grad(tree: Any) -> str | None:

@@ -147,6 +147,29 @@ def overlapping_inputs(name: str, written: str, other: str) -> InputMismatchErro
     )
 
 
+def input_view_layout(
+    name: str, output: str, path: str, captured: Any, received: Any
+) -> InputMismatchError:
+    return InputMismatchError(
+        f"{name}'s {output} is a view of {path}, taken at the capture from a tensor of "
+        f"strides {tuple(captured)}; this call's {path} has strides {tuple(received)}, in "
+        f"which the same view cannot be taken. Pass {path} in the capture's layout "
+        f"(`.contiguous()`, if it was), or return a copy of the view (`.clone()`), "
+        f"{reset_hint(name)}.",
+        path,
+        tuple(captured),
+        tuple(received),
+    )
+
+
+def untakeable_input_view(name: str, output: str, path: str) -> ValueError:
+    return ValueError(
+        f"{name} returned {output} in the memory of {path}, but not as a view of {path} "
+        "that a replay can take again from the caller's tensor (another dtype, or memory "
+        f"outside {path}). Return a copy (`.clone()`) or a view of {path} of its dtype."
+    )
+
+
 def cannot_follow(
     name: str, path: str, home: Any, device: Any, state: str, state_device: Any
 ) -> InputMismatchError:

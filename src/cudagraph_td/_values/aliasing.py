@@ -83,7 +83,7 @@ def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors of one storage have a byte in common."""
     if not a.nbytes or not b.nbytes:  # an empty tensor
         return False
-    (a_start, a_end), (b_start, b_end) = _span(a), _span(b)
+    (a_start, a_end), (b_start, b_end) = span(a), span(b)
     if a_end <= b_start or b_end <= a_start:
         return False
     if _dense(a) and _dense(b):  # each covers its span: the spans' overlap is theirs
@@ -98,7 +98,7 @@ def _layout(t: torch.Tensor) -> Layout:
     return tuple(t.shape), t.stride(), t.element_size()
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
+def span(t: torch.Tensor) -> tuple[int, int]:
     """The addresses of the first byte of ``t``'s elements and one past the last (strides
     are never negative in torch)."""
     start = t.data_ptr()
