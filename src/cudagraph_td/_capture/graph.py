@@ -68,10 +68,10 @@ class GraphCall:
 
     def launch(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """Copy ``tensors`` (checked) into the static inputs, replay, return fresh outputs."""
-        if self._watch is not None:  # a training step: its gradients and hyperparameters
-            self._watch()
         if self._writes.indices:  # decided at capture: a graph that writes no input checks nothing
             return self._launch_writing(tensors)
+        if self._watch is not None:  # a training step: its gradients and hyperparameters
+            self._watch()
         if tensors:
             foreach_copy_(self._static_inputs, tensors)  # type: ignore[arg-type]
         self._replay()
@@ -81,6 +81,9 @@ class GraphCall:
         """``launch`` for a graph that writes into inputs: refused, before anything is copied,
         if another input shares their memory; their new values reach the caller, as in eager."""
         self._writes.check(tensors)
+        # After the check: the watch gives gradients set to `None` back, zeroed.
+        if self._watch is not None:
+            self._watch()
         foreach_copy_(self._static_inputs, tensors)  # type: ignore[arg-type]
         self._replay()
         self._writes.copy_back(tensors)
