@@ -448,6 +448,7 @@ def _batch(backend: Backend) -> tuple[torch.Tensor, torch.Tensor]:
         pytest.param(None, False, False, id="zero_grad-in-place-after"),
         pytest.param(True, None, False, id="zero_grad-inside"),
         pytest.param(True, True, False, id="zero_grad-inside-and-after"),
+        pytest.param(False, True, False, id="zero_grad-in-place-inside-and-after"),
     ],
 )
 def test_whole_step_with_zero_grad_outside_tracks_eager(
