@@ -194,6 +194,12 @@ def test_foreach_copy_and_as_strided() -> None:
     assert _compat.as_strided(flat, (2, 2), (1, 2), 1).tolist() == [[1.0, 3.0], [2.0, 4.0]]
 
 
+def test_foreach_zero_() -> None:
+    tensors = [torch.ones(3), torch.ones(2, 2)]
+    _compat.foreach_zero_(tensors)
+    assert [t.sum().item() for t in tensors] == [0.0, 0.0]
+
+
 def test_version_counts_in_place_writes() -> None:
     t = torch.zeros(3)
     before = _compat.version(t)

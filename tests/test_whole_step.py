@@ -132,12 +132,14 @@ def test_optimizer_without_capturable_is_explained(backend: Backend, optimizer: 
     )
 
 
-def _sgd_step(backend: Backend, *, set_to_none: bool = True) -> tuple[Any, nn.Module, Any]:
+def _sgd_step(backend: Backend, *, set_to_none: bool | None = True) -> tuple[Any, nn.Module, Any]:
+    """An SGD step with `zero_grad(set_to_none=...)` inside, or none (``None``)."""
     net = nn.Linear(3, 1).to(backend.device)
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
 
     def step(x: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad(set_to_none=set_to_none)
+        if set_to_none is not None:
+            opt.zero_grad(set_to_none=set_to_none)
         loss = net(x).pow(2).mean()
         loss.backward()
         opt.step()
@@ -248,7 +250,7 @@ def test_gradients_of_a_graphed_backward_feed_an_eager_step(backend: Backend) ->
         torch.testing.assert_close(p, q)
 
 
-def test_gradients_set_to_none_between_replays_are_reported(backend: Backend) -> None:
+def test_gradients_set_to_none_between_replays_accumulate_from_zero(backend: Backend) -> None:
     # Gradient accumulation: the graph adds into the captured `.grad` tensors.
     net = nn.Linear(3, 1).to(backend.device)
 
@@ -266,14 +268,62 @@ def test_gradients_set_to_none_between_replays_are_reported(backend: Backend) ->
     net.zero_grad(set_to_none=False)  # zeroes in place: the graph's tensors stay
     graphed(x)
     torch.testing.assert_close(net.weight.grad, _grad_of(net, x))
-    net.zero_grad()  # set_to_none=True
+    captured = net.weight.grad
+    net.zero_grad()  # set_to_none=True: `None` is zero, as eager mode reads it
+    graphed(x)
+    assert net.weight.grad is captured  # the graph's tensor, given back
+    torch.testing.assert_close(net.weight.grad, _grad_of(net, x))
+    graphed(x)
+    torch.testing.assert_close(net.weight.grad, 2 * _grad_of(net, x))
+    # Another tensor in its place: the graph would not add into it.
+    net.weight.grad = torch.zeros_like(captured)
     message = (
         "`net.weight.grad` was replaced since the capture "
-        "(captured: a tensor of shape (1, 3); now: None)"
+        "(captured: a tensor of shape (1, 3); now: a tensor of shape (1, 3))"
     )
     with pytest.raises(RuntimeError, match=re.escape(message)) as info:
         graphed(x)
     assert "call `zero_grad(set_to_none=False)` outside the function" in str(info.value)
+    assert "another tensor" in str(info.value)
+
+
+def test_gradients_set_to_none_before_a_step_that_reads_them_are_reported(
+    backend: Backend,
+) -> None:
+    # The step reads gradients that a backward outside computes: eager mode would skip a
+    # parameter whose gradient is None, which a graph cannot do.
+    w = torch.zeros(3, device=backend.device, requires_grad=True)
+    opt = torch.optim.Adam([w], lr=torch.tensor(0.1, device=backend.device), capturable=True)
+
+    def step() -> torch.Tensor:
+        opt.step()
+        return w.detach().clone()
+
+    graphed = backend.wrap(step, warmup=2)
+    for _ in range(3):
+        (w * backend.randn(3)).sum().backward()
+        graphed()
+    opt.zero_grad()  # set_to_none=True
+    message = (
+        "`opt.param_groups[0]['params'][0].grad` was replaced since the capture "
+        "(captured: a tensor of shape (3,); now: None)"
+    )
+    with pytest.raises(RuntimeError, match=re.escape(message)) as info:
+        graphed()
+    assert "computed outside the function" in str(info.value)
+    assert w.grad is None  # untouched by the refused call
+
+
+def test_a_refused_replay_leaves_gradients_set_to_none(backend: Backend) -> None:
+    step, net, opt = _sgd_step(backend, set_to_none=None)
+    graphed = backend.wrap(step, warmup=2)
+    for _ in range(3):
+        graphed(backend.randn(8, 3))
+    opt.zero_grad()  # set_to_none=True: the replay would zero and give back the tensors...
+    opt.param_groups[0]["lr"] = 0.005  # ...but it is refused for the new learning rate
+    with pytest.raises(RuntimeError, match=re.escape("['lr'] = 0.01, which is now 0.005")):
+        graphed(backend.randn(8, 3))
+    assert net.weight.grad is None and net.bias.grad is None
 
 
 def _grad_of(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -365,3 +415,101 @@ def test_a_step_that_sets_its_own_learning_rate_is_not_a_change(backend: Backend
     for i in range(6):
         x = backend.randn(3)
         torch.testing.assert_close(graphed(x), twin(x), msg=f"call {i}")
+
+
+def _model(backend: Backend) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).to(backend.device)
+    lr = torch.tensor(0.01, device=backend.device)
+    return model, torch.optim.Adam(model.parameters(), lr=lr, capturable=True)
+
+
+def _assert_tracks(model: nn.Module, twin: nn.Module, when: str) -> None:
+    """Parameters and gradients (``None`` or values) as the eager twin's."""
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q, msg=f"{name}, {when}")
+        if q.grad is None:
+            assert p.grad is None, f"{name}.grad, {when}"
+        else:
+            assert p.grad is not None, f"{name}.grad, {when}"
+            torch.testing.assert_close(p.grad, q.grad, msg=f"{name}.grad, {when}")
+
+
+def _batch(backend: Backend) -> tuple[torch.Tensor, torch.Tensor]:
+    return backend.randn(16, 3), backend.randn(16, 1)
+
+
+@pytest.mark.parametrize("warmup", [1, 2, 3])
+@pytest.mark.parametrize(
+    ("inside", "outside", "before"),
+    [
+        pytest.param(None, True, False, id="zero_grad-after"),
+        pytest.param(None, True, True, id="zero_grad-before"),
+        pytest.param(None, False, False, id="zero_grad-in-place-after"),
+        pytest.param(True, None, False, id="zero_grad-inside"),
+        pytest.param(True, True, False, id="zero_grad-inside-and-after"),
+        pytest.param(False, True, False, id="zero_grad-in-place-inside-and-after"),
+    ],
+)
+def test_whole_step_with_zero_grad_outside_tracks_eager(
+    backend: Backend, warmup: int, inside: bool | None, outside: bool | None, before: bool
+) -> None:
+    # `zero_grad(set_to_none=...)` inside the step (`inside`) and/or by the caller, before or
+    # after each call (`outside`): the graph gives eager mode's answer at every call.
+    model, opt = _model(backend)
+    twin, twin_opt = copy.deepcopy((model, opt))
+
+    def make(model: nn.Module, opt: torch.optim.Optimizer) -> Any:
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            if inside is not None:
+                opt.zero_grad(set_to_none=inside)
+            loss = (model(x) - y).pow(2).mean()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        return step
+
+    graphed, eager = backend.wrap(make(model, opt), warmup=warmup), make(twin, twin_opt)
+    for i in range(7):
+        if outside is not None and before:
+            opt.zero_grad(set_to_none=outside)
+            twin_opt.zero_grad(set_to_none=outside)
+        x, y = _batch(backend)
+        torch.testing.assert_close(graphed(x, y), eager(x, y), msg=f"call {i}")
+        _assert_tracks(model, twin, f"call {i}")
+        if outside is not None and not before:
+            opt.zero_grad(set_to_none=outside)
+            twin_opt.zero_grad(set_to_none=outside)
+            _assert_tracks(model, twin, f"after call {i}")
+    assert graphed.is_captured
+
+
+@pytest.mark.parametrize("warmup", [1, 2, 3, 4, 5])
+def test_gradient_accumulation_with_an_eager_step_tracks_eager(
+    backend: Backend, warmup: int
+) -> None:
+    # Forward and backward graphed; every 4 calls, `opt.step(); opt.zero_grad()` eagerly
+    # (set_to_none=True). The capture falls at each position of the cycle in turn.
+    model, opt = _model(backend)
+    twin, twin_opt = copy.deepcopy((model, opt))
+
+    def make(model: nn.Module) -> Any:
+        def fwd_bwd(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = (model(x) - y).pow(2).mean()
+            loss.backward()
+            return loss.detach()
+
+        return fwd_bwd
+
+    graphed, eager = backend.wrap(make(model), warmup=warmup), make(twin)
+    for i in range(14):
+        x, y = _batch(backend)
+        torch.testing.assert_close(graphed(x, y), eager(x, y), msg=f"call {i}")
+        _assert_tracks(model, twin, f"call {i}")
+        if i % 4 == 3:
+            for optimizer in (opt, twin_opt):
+                optimizer.step()
+                optimizer.zero_grad()
+            _assert_tracks(model, twin, f"step after call {i}")
+    assert graphed.is_captured

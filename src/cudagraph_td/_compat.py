@@ -100,6 +100,11 @@ foreach_copy_ = torch._foreach_copy_
 per tensor, even for one tensor. The replay's input copy and the packed outputs use it.
 Checked; if gone: none."""
 
+foreach_zero_ = torch._foreach_zero_
+"""``torch._foreach_zero_(tensors)``: zeroes a list of tensors in one multi-tensor launch.
+A training step's replay zeroes the gradient tensors that it adds into and that were set to
+``None`` (see `_state.training.Watch`). Checked; if gone: none."""
+
 version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
 """A tensor's version counter (``Tensor._version``), which every in-place operation moves:
 how a capture tells the inputs and parameters that the function wrote. Checked; if gone:

@@ -81,10 +81,10 @@ class GraphCall:
 
     def launch(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """Copy ``tensors`` (checked) into the static inputs, replay, return fresh outputs."""
-        if self._watch is not None:  # a training step: its gradients and hyperparameters
-            self._watch()
         if self._touches_inputs:  # decided at capture: the others check nothing
             return self._launch_writing(tensors)
+        if self._watch is not None:  # a training step: its gradients and hyperparameters
+            self._watch()
         if tensors:
             foreach_copy_(self._static_inputs, tensors)  # type: ignore[arg-type]
         self._replay()
@@ -99,6 +99,9 @@ class GraphCall:
         self._writes.check(tensors)
         if views is not None:
             views.check(tensors)
+        # After the checks: the watch gives gradients set to `None` back, zeroed.
+        if self._watch is not None:
+            self._watch()
         foreach_copy_(self._static_inputs, tensors)  # type: ignore[arg-type]
         self._replay()
         if self._writes.indices:

@@ -3,23 +3,26 @@
 A function that runs ``loss.backward()`` and ``optimizer.step()`` reads state that is not
 among its inputs: the parameters' ``.grad`` tensors, at the addresses the capture recorded,
 and the optimizers' hyperparameters, whose Python numbers become constants of the captured
-kernels. Nothing at replay re-reads either. ``observe`` finds that state before the
-capturing call, and the ``Watch`` it yields checks it before each replay, so that a
-gradient set to ``None`` or a Python learning rate changed after the capture raises an error
-instead of being silently ignored.
+kernels. Nothing at replay re-reads either. ``Observation`` finds that state around the
+capturing call, and the ``Watch`` it yields checks it before each replay: a gradient set to
+``None`` that the graph adds into is zeroed and given back (``None`` is zero, as eager mode
+reads it), and a gradient replaced by another tensor, or a Python learning rate changed
+after the capture, raises an error instead of being silently ignored.
 
 The modules and optimizers are found by `_state.search`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import warnings
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-from .._compat import version
+from .._compat import foreach_zero_, version
 from .._errors import state as _errors_state
 from .search import Search
 from .state import State, modules_entries, optimizer_entries, rebound
@@ -56,6 +59,7 @@ class Observation:
         self._before = [_state(p) for _, p in self.params]
         self.touched: list[tuple[str, torch.Tensor]] = []
         self.rebinds: list[bool] = []
+        self.accumulates: list[bool] = []
 
     def after_eager_run(self) -> bool:
         """Whether the call moved a parameter or a gradient: a training step."""
@@ -76,13 +80,21 @@ class Observation:
         eager run's values, so that after the capturing call ``.grad`` reads as in eager mode.
         """
         eager = [p.grad for _, p in self.touched]
-        out = capture()
+        with _accumulations(p for _, p in self.touched) as accumulated:
+            out = capture()
         # A gradient tensor that the capture replaced by one of its own: the step drops the
         # incoming gradient before it reads it (`zero_grad(set_to_none=True)` inside), so a
         # replay may re-point `.grad` to its own tensor whatever `.grad` is then, as eager
         # mode binds a new one (another step on the same parameters may have rebound it).
         self.rebinds = [
             p.grad is not before and before is not None
+            for (_, p), before in zip(self.touched, eager, strict=True)
+        ]
+        # A gradient tensor that the captured backward adds into (no `zero_grad()` inside, or
+        # `set_to_none=False`): a replay may zero it when `.grad` is `None`, which eager mode
+        # reads as zero, and give it back.
+        self.accumulates = [
+            before is not None and p.grad is before and accumulated.get(id(p)) is before
             for (_, p), before in zip(self.touched, eager, strict=True)
         ]
         with torch.no_grad():
@@ -103,7 +115,7 @@ class Observation:
             for key, value in before.items()
             if group.get(key) is not value
         }
-        return Watch(name, self.touched, self._stepped(), written, self.rebinds)
+        return Watch(name, self.touched, self._stepped(), written, self.rebinds, self.accumulates)
 
     def _stepped(self) -> dict[str, torch.optim.Optimizer]:
         touched = {id(p) for _, p in self.touched}
@@ -150,6 +162,23 @@ class Observation:
         return State(entries, identity=identity, bindings=bindings)
 
 
+@contextlib.contextmanager
+def _accumulations(params: Iterable[torch.Tensor]) -> Iterator[dict[int, torch.Tensor | None]]:
+    """The gradient tensor that a backward accumulated each parameter's gradient into, by the
+    parameter's ``id``, while in the context (read by a post-accumulate-grad hook)."""
+    accumulated: dict[int, torch.Tensor | None] = {}
+
+    def seen(p: torch.Tensor) -> None:
+        accumulated[id(p)] = p.grad
+
+    handles = [p.register_post_accumulate_grad_hook(seen) for p in params if p.is_leaf]
+    try:
+        yield accumulated
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def _state(p: torch.Tensor) -> tuple[int, torch.Tensor | None, int]:
     """What changes when a step writes a parameter or its gradient.
 
@@ -169,7 +198,9 @@ class Watch:
     """Checks, before each replay, the state a captured training step reads but does not copy.
 
     Calling it raises when a touched parameter's ``.grad`` is no longer the tensor the graph
-    writes, or when a hyperparameter of a stepped optimizer changed.
+    writes, or when a hyperparameter of a stepped optimizer changed. A ``.grad`` that the
+    step drops before reading it, or that is ``None`` where the graph adds into its
+    gradient tensor, is given the graph's tensor back (zeroed first in the second case).
     """
 
     def __init__(
@@ -179,6 +210,7 @@ class Watch:
         optimizers: dict[str, torch.optim.Optimizer],
         written: set[tuple[int, str]] = frozenset(),  # type: ignore[assignment]
         rebinds: list[bool] | None = None,
+        accumulates: list[bool] | None = None,
     ):
         self.name = name
         self.names = [n for n, _ in params]
@@ -186,6 +218,8 @@ class Watch:
         self.grads = [p.grad for p in self.params]
         # The gradients the step drops before reading (see `Observation.record`).
         self.rebinds = rebinds if rebinds is not None else [False] * len(self.params)
+        # The gradients the graph adds into, which `None` zeroes (see `Observation.record`).
+        self.accumulates = accumulates if accumulates is not None else [False] * len(self.params)
         # (where, group, keys, values): the hyperparameters that each step reads.
         self.groups: list[tuple[str, dict[str, Any], tuple[str, ...], tuple[Any, ...]]] = []
         for path, opt in optimizers.items():
@@ -208,8 +242,9 @@ class Watch:
     def __call__(self) -> None:
         # Identity checks, mapped in C over flat lists: the common case, where nothing
         # changed, costs no Python loop per parameter, group or hyperparameter.
+        moved = None
         if not all(map(operator.is_, map(_grad, self.params), self.grads)):
-            self._raise_for_grads()
+            moved = self._moved_grads()
         try:
             same = all(
                 map(operator.is_, map(operator.getitem, self._dicts, self._keys), self._values)
@@ -220,6 +255,8 @@ class Watch:
             for i, (where, group, keys, values) in enumerate(self.groups):
                 self._check_group(i, where, group, keys, values)
             self._flatten_groups()
+        if moved is not None:  # every check passed: the gradients can be given back
+            self._give_back(*moved)
 
     def after_replay(self) -> None:
         """Put the captured gradient tensors back, with the values the replay computed."""
@@ -230,15 +267,36 @@ class Watch:
                         grad.copy_(p.grad)
                     p.grad = grad
 
-    def _raise_for_grads(self) -> None:
-        """Re-point the gradients that the step drops before reading to its own tensors;
-        raise for another that was replaced."""
-        pairs = zip(self.names, self.params, self.grads, self.rebinds, strict=True)
-        for name, p, grad, rebinds in pairs:
-            if p.grad is not grad:
-                if not rebinds:
-                    raise _errors_state.grad_replaced(self.name, name, grad, p.grad)
-                p.grad = grad
+    def _moved_grads(self) -> tuple[list[int], list[torch.Tensor]]:
+        """The parameters whose ``.grad`` gets the graph's tensor back, and the tensors to zero
+        first; raise for a gradient replaced where the graph cannot give eager mode's answer.
+
+        The step drops a gradient before reading it (`zero_grad()` inside): any ``.grad`` is
+        fine. The graph adds into its gradient tensor: ``None`` is zero, as eager mode
+        reads it. Anything else (another tensor, or ``None`` where the step reads the
+        gradient without computing it) is refused, before anything changes.
+        """
+        back: list[int] = []
+        zero: list[torch.Tensor] = []
+        for i, (p, grad) in enumerate(zip(self.params, self.grads, strict=True)):
+            now = p.grad
+            if now is grad:
+                continue
+            if self.rebinds[i]:
+                back.append(i)
+            elif now is None and self.accumulates[i]:
+                assert grad is not None  # a tensor that the graph adds into
+                back.append(i)
+                zero.append(grad)
+            else:
+                raise _errors_state.grad_replaced(self.name, self.names[i], grad, now)
+        return back, zero
+
+    def _give_back(self, back: list[int], zero: list[torch.Tensor]) -> None:
+        if zero:  # one launch, on the replay's stream, before it; no host synchronisation
+            foreach_zero_(zero)
+        for i in back:
+            self.params[i].grad = self.grads[i]
 
     def _check_group(
         self,
