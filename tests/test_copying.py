@@ -177,7 +177,9 @@ def test_deepcopy_of_a_function_that_reaches_a_module_or_optimizer_raises(
     backend: Backend,
 ) -> None:
     net = _net(backend)
-    opt = torch.optim.Adam(net.parameters(), lr=torch.tensor(0.01), capturable=True)
+    opt = torch.optim.Adam(
+        net.parameters(), lr=torch.tensor(0.01, device=backend.device), capturable=True
+    )
 
     def step(x: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=False)

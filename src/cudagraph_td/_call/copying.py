@@ -90,7 +90,11 @@ def initialise(wrapper: Any, name: str) -> Any:
         pending = wrapper.__dict__.pop("_pending", None)
         if pending is not None:
             module, options = pending
-            wrapper.__init__(module, **options)
+            try:
+                wrapper.__init__(module, **options)
+            except BaseException:  # an error of its options: raised again at each use
+                wrapper.__dict__["_pending"] = pending
+                raise
     return object.__getattribute__(wrapper, name)
 
 

@@ -115,8 +115,9 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             numbers. Counted per graph. Defaults to 0.
         shapes: How a wrapper answers calls of other input shapes, as one value:
             ``Static()`` (the default): one graph per mode, and a call of other shapes
-            raises; ``Exact()``: a graph per input shapes, captured on first sight, each
-            with its own warm-up; ``Buckets([8, 16, 64])``: the batch dims of the inputs
+            raises; ``Exact()``: a graph per input structure and shapes (an optional
+            argument passed or None), captured on first sight, each with its own warm-up;
+            ``Buckets([8, 16, 64])``: the batch dims of the inputs
             are padded to the next bucket size, whose graph replays, and outputs are sliced
             back (for functions whose output rows depend on their own input row only).
             Their fields hold the limits (``max_graphs``, ``overflow``) and the buckets'
