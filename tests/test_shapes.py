@@ -16,7 +16,7 @@ from torch import nn
 
 from cudagraph_td import Buckets, Exact, GraphLimitWarning, InputMismatchError
 
-from .conftest import Backend, counting, regression_step
+from .conftest import Backend, counting, regression_step, slow_replays
 
 MODES = [
     pytest.param(Exact(max_graphs=128), id="exact"),
@@ -392,3 +392,60 @@ def test_batchnorm_in_training_mode_is_refused_for_padding_and_its_statistics_ke
         for n in (5, 3, 7):
             x = backend.randn(n, 4)
             torch.testing.assert_close(graphed(x), twin(x))
+
+
+def _masked(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    return x * 2 if mask is None else x * mask + 1
+
+
+@torch.no_grad()
+def test_exact_captures_a_graph_per_structure_of_an_optional_keyword(backend: Backend) -> None:
+    fn = counting(_masked)
+    graphed = backend.wrap(fn, warmup=2, shapes="exact")
+    x, m = backend.randn(5), backend.randn(5)
+    calls = [{"mask": None}, {"mask": m}, {}]  # None, a tensor, not passed
+    for kwargs in calls:
+        for _ in range(3):  # warm-up, capture, replay
+            torch.testing.assert_close(graphed(x, **kwargs), _masked(x, **kwargs))
+    assert len(graphed.graphs()) == 3 and all(info.captured for info in graphed.graphs())
+    ran, slow = fn.calls, slow_replays(graphed)
+    for i in range(9):  # alternating: each structure replays its own graph, on the fast path
+        x, m = backend.randn(5), backend.randn(5)
+        kwargs = [{"mask": None}, {"mask": m}, {}][i % 3]
+        torch.testing.assert_close(graphed(x, **kwargs), _masked(x, **kwargs))
+    assert fn.calls == ran and slow == [0]
+
+
+@torch.no_grad()
+def test_exact_counts_a_graph_per_structure_under_max_graphs(backend: Backend) -> None:
+    graphed = backend.wrap(_masked, warmup=1, shapes=Exact(max_graphs=1, overflow="raise"))
+    x = backend.randn(5)
+    graphed(x, mask=None)
+    with pytest.raises(RuntimeError, match=re.escape("reached max_graphs=1")):
+        graphed(x, mask=backend.randn(5))
+
+
+@torch.no_grad()
+def test_exact_keys_tensor_and_constant_arguments_by_their_places(backend: Backend) -> None:
+    fn = lambda a, b: a * b  # noqa: E731
+    graphed = backend.wrap(fn, warmup=1, shapes="exact")
+    x, y = backend.randn(3), backend.randn(3)
+    for args in [(x, 2.0), (2.0, y), (x, 2.0), (2.0, y)]:
+        torch.testing.assert_close(graphed(*args), fn(*args))
+    assert len(graphed.graphs()) == 2
+
+
+@torch.no_grad()
+def test_static_refuses_another_structure_and_names_exact(backend: Backend) -> None:
+    graphed = backend.wrap(_masked, warmup=1)
+    x = backend.randn(5)
+    graphed(x, mask=None)
+    hint = 'make the CudaGraphModule with shapes="exact" (a graph per structure'
+    with pytest.raises(InputMismatchError, match=re.escape('kwargs["mask"] of type NoneType')):
+        graphed(x, mask=backend.randn(5))
+    with pytest.raises(InputMismatchError, match=re.escape(hint)):
+        graphed(x, mask=backend.randn(5))
+    with pytest.raises(InputMismatchError, match=re.escape('missing: kwargs["mask"]')):
+        graphed(x)
+    with pytest.raises(InputMismatchError, match=re.escape(hint)):
+        graphed(x)

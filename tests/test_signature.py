@@ -166,7 +166,9 @@ def test_missing_and_extra_arguments(backend: Backend) -> None:
         "CudaGraphModule was called with inputs of another structure than at capture:\n"
         "  missing: args[2]\n"
         '  extra: kwargs["extra"]\n'
-        f"A graph replays the captured call: pass the same arguments and keys, {HINT}",
+        "A graph replays the captured call: pass the same arguments and keys, make the "
+        'CudaGraphModule with shapes="exact" (a graph per structure and shapes: an optional '
+        f"argument passed or None, say), {HINT}",
     )
 
 

@@ -23,6 +23,7 @@ from .._shapes import options as _shape_options
 from .._shapes.buckets import BucketGraphs
 from .._shapes.graphs import GraphInfo, Overflow
 from .._shapes.options import Buckets, Exact, Static
+from . import copying as _copying
 from . import modes as _modes
 from . import static as _static
 from . import tdmodule as _tdmodule
@@ -117,8 +118,9 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             numbers. Counted per graph. Defaults to 0.
         shapes: How a wrapper answers calls of other input shapes, as one value:
             ``Static()`` (the default): one graph per mode, and a call of other shapes
-            raises; ``Exact()``: a graph per input shapes, captured on first sight, each
-            with its own warm-up; ``Buckets([8, 16, 64])``: the batch dims of the inputs
+            raises; ``Exact()``: a graph per input structure and shapes (an optional
+            argument passed or None), captured on first sight, each with its own warm-up;
+            ``Buckets([8, 16, 64])``: the batch dims of the inputs
             are padded to the next bucket size, whose graph replays, and outputs are sliced
             back (for functions whose output rows depend on their own input row only).
             Their fields hold the limits (``max_graphs``, ``overflow``) and the buckets'
@@ -193,6 +195,20 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         if backend == "cuda" and not torch.cuda.is_available():
             raise _errors.no_cuda(name)
         mode, self._shapes = _distributed.checked(name, module, warmup, capture_error_mode, options)
+        # The options as given, which a copy is made with (see `_call.copying`); the module's
+        # own keys are left for the copy's module to give.
+        self._options: dict[str, Any] = {
+            "warmup": warmup,
+            "in_keys": None if hasattr(module, "in_keys") else in_keys,
+            "out_keys": None if hasattr(module, "out_keys") else out_keys,
+            "device": device,
+            "pool": pool,
+            "capture_error_mode": capture_error_mode,
+            "backend": backend,
+            "verify": verify,
+            "shapes": self._shape_value,
+            "static": static,
+        }
         self.module = module
         self._warmup = warmup
         self.in_keys, self.out_keys = _tdmodule.resolve_keys(name, module, in_keys, out_keys)
@@ -427,6 +443,40 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
                 raise _errors.no_state_dict(type(self).__name__, self.module)
             return None
         return load(state_dict, *args, **kwargs)
+
+    def __copy__(self) -> CudaGraphModule:
+        """A new, uncaptured wrapper of the same function or module, with the same options."""
+        return _copying.shallow(self, self.module, self._options)  # type: ignore[no-any-return]
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CudaGraphModule:
+        """A new, uncaptured wrapper of a deep copy of the function or module, with the same
+        options (an RL target network: ``target = copy.deepcopy(policy)``).
+
+        Raises:
+            TypeError: The wrapped function's copy would share modules or optimizers with it
+                (a deep copy of a function is the function itself).
+        """
+        return _copying.deep(  # type: ignore[no-any-return]
+            self, self._name, self.module, self._options, memo
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickling (``torch.save``) keeps: the function or module and the options, so
+        that loading gives a new, uncaptured wrapper (a memory pool given is not kept).
+
+        Raises:
+            TypeError: The function or module cannot be pickled (a local function): save its
+                ``state_dict()`` instead.
+        """
+        return _copying.state(self._name, self.module, self._options, type(self))
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        _copying.restore(self, state)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for an attribute not found: a copy not made yet, which its first use makes
+        # (see `_call.copying.restore`), or a name the wrapper does not have.
+        return _copying.initialise(self, name)
 
     def __repr__(self) -> str:
         if self._backend_name == "eager":

@@ -89,6 +89,16 @@ def _several_shapes(name: str) -> str:
     )
 
 
+def _several_structures(name: str) -> str:
+    """The fixes of a call of another structure, after "pass the same ... as at capture, "."""
+    if name.startswith(GRAPHED_CALLABLES):
+        return reset_hint(name)
+    return (
+        f'make the {name} with shapes="exact" (a graph per structure and shapes: an optional '
+        f"argument passed or None, say), {reset_hint(name)}"
+    )
+
+
 def shape_mismatch(
     name: str, path: str, captured: tuple[int, ...], received: tuple[int, ...]
 ) -> InputMismatchError:
@@ -258,7 +268,7 @@ def leaf_kind_mismatch(name: str, path: str, captured: Any, received: Any) -> In
     return InputMismatchError(
         f"{name} was captured with {path} of type {type(captured).__name__}, but received "
         f"type {type(received).__name__}. Pass the same kind of argument as at capture, "
-        f"{reset_hint(name)}.",
+        f"{_several_structures(name)}.",
         path,
         type(captured),
         type(received),
@@ -283,7 +293,8 @@ def structure_mismatch(
         lines.append(f"  extra: {', '.join(extra)}")
     lines.extend(f"  {line}" for line in other)
     lines.append(
-        f"A graph replays the captured call: pass the same arguments and keys, {reset_hint(name)}."
+        "A graph replays the captured call: pass the same arguments and keys, "
+        f"{_several_structures(name)}."
     )
     return InputMismatchError("\n".join(lines), "(args, kwargs)", missing, extra)
 

@@ -1,7 +1,7 @@
 """Several shapes: the graphs of one mode of a wrapper, and the graph that each call replays.
 
 ``shapes="static"`` keeps one graph. ``"exact"`` captures one graph per input signature (the
-shapes of the call's tensors), each on first sight with its own warm-up. ``"buckets"`` pads
+call's structure and the shapes of its tensors), each on first sight with its own warm-up. ``"buckets"`` pads
 the batch dims of a call to the next bucket size (see `_shapes.buckets`).
 
 ``Graphs`` holds the graphs of one mode. ``Graphs.run`` is the one place that picks
@@ -133,7 +133,7 @@ class Graphs:
         runner = self.runners.get(key)
         if runner is None:
             if self.runners and shapes == "exact":
-                self._admit(args, kwargs)
+                self._admit(key, args, kwargs)
                 if len(self.runners) >= self.options.max_graphs:
                     return self._overflow(args, kwargs, None)
             runner = self.runners[key] = self._new_runner()
@@ -169,10 +169,12 @@ class Graphs:
             self._counts.append((key, rows, padded_rows, count))
         count.hits += 1
 
-    def _admit(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Raise if a call differs from the wrapper's graphs by more than its shapes."""
-        for runner in self.runners.values():
-            if runner.captured is not None:
+    def _admit(self, key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Raise if a call differs by more than its shapes from the graphs of its structure
+        (``key``'s first item); a call of another structure (an optional argument passed, or
+        None) takes a graph of its own."""
+        for other, runner in self.runners.items():
+            if other[0] == key[0] and runner.captured is not None:  # type: ignore[index]
                 error = runner.captured.signature.diagnose(args, kwargs, shapes=False)
                 if error is not None:
                     raise error
@@ -249,19 +251,21 @@ def _shown(key: Hashable) -> Any:
 
 
 def exact_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
-    """The graph of a call with ``shapes="exact"``: its structure (TensorDict batch sizes
-    included), the shapes of its tensors and which require grad. Other differences
-    (dtypes, constants) are the errors of the graph's full check."""
+    """The graph of a call with ``shapes="exact"``: its structure (the treespec, TensorDict
+    batch sizes included, and which leaves are tensors: ``f(x, 2.0)`` and ``f(2.0, x)``
+    differ), the shapes of its tensors and which require grad. Other differences (dtypes,
+    constants) are the errors of the graph's full check."""
     leaves, spec = _tree.flatten((args, kwargs))
-    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    places = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
+    tensors = [leaves[i] for i in places]
     shapes = tuple(tuple(t.shape) for t in tensors)
     if any(t.requires_grad for t in tensors):
         shapes += (tuple(t.requires_grad for t in tensors),)
     try:
         hash(spec)
     except TypeError:  # a node's metadata that is not hashable
-        return (str(spec), shapes)
-    return (spec, shapes)
+        return ((str(spec), places), shapes)
+    return ((spec, places), shapes)
 
 
 def make_graphs(
