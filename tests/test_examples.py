@@ -141,3 +141,18 @@ def test_the_quickstart_prints_the_replays_that_graphs_counts(
     replays = sum(info.replays for info in graphed.graphs())
     assert replays == 8  # 10 calls, warmup=2
     assert f"not at the {replays} replays" in capsys.readouterr().out
+
+
+def test_the_install_lines_of_the_docs_install_from_the_repository() -> None:
+    # The package is on no package index: an install line that names it fails for a new user.
+    pages = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *EXAMPLES]
+    lines = [
+        (page.name, line.strip())
+        for page in pages
+        for line in page.read_text().splitlines()
+        if "pip install" in line
+    ]
+    assert any(name == "README.md" for name, _ in lines)
+    for name, line in lines:
+        packages = line[line.index("pip install") :].split("&&")[0].split()[2:]
+        assert not {"cudagraph_td", "cudagraph-td"} & set(packages), (name, line)
