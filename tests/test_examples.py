@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -12,6 +13,8 @@ from unittest import mock
 
 import pytest
 import torch
+
+from cudagraph_td import CudaGraphModule
 
 from .conftest import Backend
 
@@ -115,3 +118,41 @@ def test_the_quickstart_tensordict_example_runs_as_written(backend: Backend) -> 
     ):
         exec(compile(block, "docs/quickstart.md", "exec"), namespace)
     assert any(info.captured and info.replays for info in namespace["policy"].graphs())
+
+
+def test_the_quickstart_prints_the_replays_that_graphs_counts(
+    backend: Backend, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # examples/quickstart.py's policy section, on each backend: the replays it prints are
+    # those its wrapper's graphs() counts, and the calls before them run the Python.
+    spec = importlib.util.spec_from_file_location("quickstart", ROOT / "examples" / "quickstart.py")
+    assert spec is not None and spec.loader is not None
+    quickstart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quickstart)
+    made: list[Any] = []
+
+    def wrap(fn: Any, **kwargs: Any) -> Any:
+        made.append(CudaGraphModule(fn, **kwargs))
+        return made[-1]
+
+    with mock.patch.object(quickstart, "CudaGraphModule", wrap):
+        quickstart.policy_replays(str(backend.device), backend.name)
+    (graphed,) = made
+    replays = sum(info.replays for info in graphed.graphs())
+    assert replays == 8  # 10 calls, warmup=2
+    assert f"not at the {replays} replays" in capsys.readouterr().out
+
+
+def test_the_install_lines_of_the_docs_install_from_the_repository() -> None:
+    # The package is on no package index: an install line that names it fails for a new user.
+    pages = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *EXAMPLES]
+    lines = [
+        (page.name, line.strip())
+        for page in pages
+        for line in page.read_text().splitlines()
+        if "pip install" in line
+    ]
+    assert any(name == "README.md" for name, _ in lines)
+    for name, line in lines:
+        packages = line[line.index("pip install") :].split("&&")[0].split()[2:]
+        assert not {"cudagraph_td", "cudagraph-td"} & set(packages), (name, line)
