@@ -24,7 +24,7 @@ from .._state import training as _training
 from .._state.state import State
 from .._values import tree as _tree
 from .._values.aliasing import WrittenInputs, versions, written
-from .._values.input_views import InputViews
+from .._values.input_views import InputViews, ReturnedTensorDicts, tensordicts_before
 from .._values.outputs import FreshCopies, Outputs
 from .._values.signature import Signature, validate
 from .autograd import capture_differentiable
@@ -129,6 +129,7 @@ def capture(
     inputs = signature.read(args, kwargs)
     assert inputs is not None
     before = versions(inputs)
+    tensordicts = tensordicts_before(args, kwargs)
     observed = _training.Observation(fn)
     try:
         result = backend.warmup(lambda: fn(*args, **kwargs))
@@ -143,13 +144,19 @@ def capture(
     # counter (one tensor passed twice, views of one): the graph's own copies, which the
     # capture runs the function on, tell which ones the graph writes (see `_values.aliasing`).
     mutated = written(inputs, before)
+    # A TensorDict argument returned (`return td`): the graph returns the entries written
+    # into it, which each call sets into the caller's (see `_values.input_views`).
+    returned = ReturnedTensorDicts.of(result, tensordicts)
+    graphed, form = fn, result
+    if returned is not None:
+        graphed, form = returned.graphed(fn), returned.form(result)
     # Outputs that are the caller's inputs or views of them: every call returns them so.
-    views = InputViews.of(signature, result, inputs)
+    views = InputViews.of(signature, form, inputs)
     if grad and _path_requiring_grad(result):
         # Autograd holds the parameters it differentiates: they are followed by identity too.
         follow = functools.partial(observed.state, name, identity=True)
         call = capture_differentiable(
-            name, fn, signature, backend.for_autograd(), result, inputs, mutated, follow, views
+            name, graphed, signature, backend.for_autograd(), form, inputs, mutated, follow, views
         )
         return call, result
     for t, path in zip(signature.static_inputs, signature.tensor_paths(), strict=True):
@@ -160,11 +167,11 @@ def capture(
         # Fresh containers at each run, so that keys written into an input TensorDict by one
         # (emulated) run are not inputs of the next, as on CUDA where the function runs once.
         static_args, static_kwargs = signature.static_tree()
-        return fn(*static_args, **static_kwargs)
+        return graphed(*static_args, **static_kwargs)
 
     static_versions = versions(signature.static_inputs)
     try:
-        graph, static_out = observed.record(lambda: backend.capture(run_static, like=result))
+        graph, static_out = observed.record(lambda: backend.capture(run_static, like=form))
     except Exception as err:
         raise _errors.capture_failure(
             name, "capture the graph", err, device=backend.device
