@@ -427,3 +427,25 @@ def test_a_returned_tensordict_in_grad_mode_backpropagates_as_eager(backend: Bac
         net(td["x"]).pow(2).sum().backward()
         torch.testing.assert_close(grad, net.weight.grad)
         net.zero_grad()
+
+
+@pytest.mark.parametrize(
+    ("fn", "output"),
+    [
+        pytest.param(lambda x: x, "output", id="itself"),
+        pytest.param(lambda x: x[:, :2], "output", id="slice"),
+        pytest.param(lambda x: (x * 2, x.unsqueeze(1)), r"output\[1\]", id="in-a-tuple"),
+    ],
+)
+def test_an_input_returned_under_buckets_is_refused_at_capture(
+    backend: Backend, fn: Callable[[torch.Tensor], Any], output: str
+) -> None:
+    from cudagraph_td import Buckets
+
+    message = rf"returns {output} as args\[0\] or a view of it.*\.clone\(\).*shapes=Exact\(\)"
+    for rows in (3, 4):  # a padded capture, or one of the bucket's size: refused alike
+        graphed = backend.wrap(fn, shapes=Buckets([4, 8]))
+        with torch.no_grad():
+            graphed(backend.randn(rows, 3))  # the warm-up, eager
+            with pytest.raises(ValueError, match=message):
+                graphed(backend.randn(rows, 3))

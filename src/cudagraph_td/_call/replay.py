@@ -39,7 +39,7 @@ from tensordict import TensorDict
 from .._compat import foreach_copy_, td_entries, td_has_names, td_set
 from .._state.state import State
 from .._values import tree as _tree
-from .._values.input_views import into_callers, is_written_input
+from .._values.input_views import InputViews, into_callers, is_written_input
 from .._values.outputs import Outputs
 from .._values.signature import Signature, metadata
 
@@ -65,6 +65,7 @@ class Captured(Protocol):
     state: State | None  # the parameters, buffers, optimizers it reads (see `_state.state`)
     training_step: bool  # whether it updates parameters (a step cannot be verified)
     bare: Bare | None
+    input_views: InputViews | None  # outputs that are inputs or views of them, if any
 
     def launch(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """Replay on checked input tensors; return the output tensors in fresh memory."""

@@ -58,7 +58,7 @@ class GraphCall:
         self._fresh = outputs.copies.make
         # Outputs that are inputs or views of them, taken from the caller's tensors; only
         # the others are copied (see `_values.input_views`).
-        self._views = views
+        self._views = self.input_views = views
         self._touches_inputs = bool(mutated) or views is not None
         if views is not None:
             computed = [outputs.static[j] for j in views.computed]
@@ -73,8 +73,8 @@ class GraphCall:
         """This graph replayed on fewer rows: ``signature``'s static inputs and ``outputs``'
         static tensors are views of the first rows of this graph's (a bucket's graph).
 
-        Its outputs are all copies: an output that is a view of an input is one of the
-        padded input here, as on the padded calls that warmed up and captured the graph.
+        Its outputs are all copies: a bucket's graph that returns an input or a view of one
+        is refused at its capture (see `_shapes.buckets`).
         """
         mutated = self._writes.indices
         return GraphCall(signature, self.graph, outputs, mutated, self._watch, self.state)

@@ -14,6 +14,10 @@ A view is taken at the capture's strides and offset from the caller's tensor: a 
 tensor is laid out otherwise (a transposed tensor, where the capture had a contiguous one)
 is refused, since no view of the same elements can be named in another layout (eager's
 ``x.view`` fails there, its ``reshape`` copies).
+
+A function may also return one of its TensorDict arguments, alone or in a returned tuple
+(``ReturnedTensorDicts``, below): every call returns the caller's TensorDict, the entries
+the function wrote set into it.
 """
 
 from __future__ import annotations
@@ -95,6 +99,11 @@ class InputViews:
         taken = {j for j, _ in views.same} | {view[0] for view in views.views}
         views.computed = [j for j in range(len(tensors)) if j not in taken]
         return views
+
+    def first(self) -> tuple[str, str]:
+        """The paths of the first output that is an input or a view of one, and of that input."""
+        j, i = min([(j, i) for j, i in self.same] + [(view[0], view[1]) for view in self.views])
+        return self._out_paths[j], self._signature.tensor_paths()[i]
 
     def check(self, tensors: Sequence[torch.Tensor]) -> None:
         """Raise if a call's input is laid out otherwise than the capture's, where an output
@@ -188,10 +197,10 @@ class ReturnedTensorDicts:
         their entries before the call (`tensordicts_before`). None if none (the common case)."""
         if not before:
             return None
-        items = [(None, result)]
+        items: list[tuple[int | None, Any]] = [(None, result)]
         if type(result) is tuple:
             items = list(enumerate(result))
-        places = []
+        places: list[tuple[int | None, _Argument, list[Any]]] = []
         for place, item in items:
             for where, (td, entries) in before.items():
                 if item is td:
