@@ -346,3 +346,106 @@ def test_an_output_in_an_inputs_memory_of_another_dtype_is_refused(backend: Back
     graphed(backend.randn(4, 3))  # the warm-up: eager's answer
     with pytest.raises(ValueError, match=r"returned output in the memory of args\[0\], but not"):
         graphed(backend.randn(4, 3))
+
+
+# A plain function that returns its input TensorDict: the caller's, with the writes.
+
+
+def _writes_y(td: TensorDict) -> TensorDict:
+    td["y"] = td["x"] * 2
+    td["next", "z"] = td["x"].sum(-1)
+    return td
+
+
+RETURNS_ITS_TENSORDICT: dict[str, Callable[..., Any]] = {
+    "itself": lambda td: td,
+    "written": _writes_y,
+    "in-a-tuple": lambda td: (_writes_y(td), td["x"].mean()),
+    "keyword": lambda *, td: _writes_y(td),
+    "beside-a-tensor": lambda scale, td: _writes_y(td) if scale.ndim else td,
+}
+
+
+@pytest.mark.parametrize("case", list(RETURNS_ITS_TENSORDICT))
+def test_a_plain_function_that_returns_its_tensordict_returns_the_callers(
+    backend: Backend, case: str
+) -> None:
+    fn = RETURNS_ITS_TENSORDICT[case]
+    graphed = backend.wrap(fn)
+    for _ in _calls():
+        x = backend.randn(4, 3)
+        td = TensorDict(x=x, batch_size=[4])
+        if case == "keyword":
+            out = graphed(td=td)
+        elif case == "beside-a-tensor":
+            out = graphed(backend.randn(3), td)
+        else:
+            out = graphed(td)
+        result = out[0] if case == "in-a-tuple" else out
+        assert result is td
+        assert td["x"] is x  # the entries it kept are the caller's own tensors
+        if case != "itself":
+            assert set(td.keys(True, True)) == {"x", "y", ("next", "z")}
+            torch.testing.assert_close(td["y"], x * 2)
+            torch.testing.assert_close(td["next", "z"], x.sum(-1))
+        if case == "in-a-tuple":
+            torch.testing.assert_close(out[1], x.mean())
+
+
+def test_a_returned_tensordict_entry_set_to_another_input_is_the_callers(
+    backend: Backend,
+) -> None:
+    def fn(td: TensorDict) -> TensorDict:
+        td["prev"] = td["obs"]  # rebound to the caller's tensor
+        td["head"] = td["obs"][:, :2]
+        return td
+
+    graphed = backend.wrap(fn)
+    for _ in _calls():
+        obs = backend.randn(4, 3)
+        td = TensorDict(obs=obs, batch_size=[4])
+        assert graphed(td) is td
+        assert td["prev"] is obs
+        assert _same_memory(td["head"], obs)
+        torch.testing.assert_close(td["head"], obs[:, :2])
+
+
+def test_a_returned_tensordict_in_grad_mode_backpropagates_as_eager(backend: Backend) -> None:
+    net = torch.nn.Linear(3, 2).to(backend.device)
+
+    def fn(td: TensorDict) -> TensorDict:
+        td["y"] = net(td["x"])
+        return td
+
+    graphed = backend.wrap(fn)
+    for _ in _calls():
+        td = TensorDict(x=backend.randn(4, 3), batch_size=[4])
+        assert graphed(td) is td
+        td["y"].pow(2).sum().backward()
+        grad = net.weight.grad.clone()
+        net.zero_grad()
+        net(td["x"]).pow(2).sum().backward()
+        torch.testing.assert_close(grad, net.weight.grad)
+        net.zero_grad()
+
+
+@pytest.mark.parametrize(
+    ("fn", "output"),
+    [
+        pytest.param(lambda x: x, "output", id="itself"),
+        pytest.param(lambda x: x[:, :2], "output", id="slice"),
+        pytest.param(lambda x: (x * 2, x.unsqueeze(1)), r"output\[1\]", id="in-a-tuple"),
+    ],
+)
+def test_an_input_returned_under_buckets_is_refused_at_capture(
+    backend: Backend, fn: Callable[[torch.Tensor], Any], output: str
+) -> None:
+    from cudagraph_td import Buckets
+
+    message = rf"returns {output} as args\[0\] or a view of it.*\.clone\(\).*shapes=Exact\(\)"
+    for rows in (3, 4):  # a padded capture, or one of the bucket's size: refused alike
+        graphed = backend.wrap(fn, shapes=Buckets([4, 8]))
+        with torch.no_grad():
+            graphed(backend.randn(rows, 3))  # the warm-up, eager
+            with pytest.raises(ValueError, match=message):
+                graphed(backend.randn(rows, 3))

@@ -39,6 +39,7 @@ from tensordict import TensorDict
 from .._compat import foreach_copy_, td_entries, td_has_names, td_set
 from .._state.state import State
 from .._values import tree as _tree
+from .._values.input_views import InputViews, into_callers, is_written_input
 from .._values.outputs import Outputs
 from .._values.signature import Signature, metadata
 
@@ -64,6 +65,7 @@ class Captured(Protocol):
     state: State | None  # the parameters, buffers, optimizers it reads (see `_state.state`)
     training_step: bool  # whether it updates parameters (a step cannot be verified)
     bare: Bare | None
+    input_views: InputViews | None  # outputs that are inputs or views of them, if any
 
     def launch(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """Replay on checked input tensors; return the output tensors in fresh memory."""
@@ -73,7 +75,8 @@ class Captured(Protocol):
 def call(captured: Captured, args: Args, kwargs: Kwargs) -> Any:
     """The slow path: the full check (which raises the error naming the leaf), then a replay."""
     tensors = captured.signature.match(args, kwargs)
-    return captured.outputs.rebuild(captured.launch(tensors))
+    # A TensorDict argument returned: the caller's, its written entries set (see `IntoCallers`).
+    return into_callers(args, kwargs, captured.outputs.rebuild(captured.launch(tensors)))
 
 
 # Readers ---------------------------------------------------------------------------------
@@ -300,6 +303,20 @@ _checked: Callable[[TensorDict, Any, torch.Tensor], None] = TensorDict.__setitem
 """``td[key] = value``: the entry checked, moved to the TensorDict's device."""
 
 
+class IntoCallers:
+    """A result that holds the caller's TensorDicts (a function that returns its input
+    TensorDict in a tuple, or one that is not its first argument): the result rebuilt, then
+    the written entries set into the caller's (`_values.input_views.into_callers`)."""
+
+    returns_first = False
+
+    def __init__(self, outputs: Outputs):
+        self.rebuild = Tree(outputs).rebuild
+
+    def write(self, args: Args, kwargs: Kwargs, fresh: Sequence[torch.Tensor]) -> Any:
+        return into_callers(args, kwargs, self.rebuild(fresh))
+
+
 class OutKeyValues:
     """The values of some outputs, as tensordict's ``dispatch`` returns the out_keys': the
     one tensor, or a tuple."""
@@ -323,8 +340,18 @@ Write = Callable[[Args, Kwargs, Sequence[torch.Tensor]], Any]
 
 
 def default_routes(captured: Captured) -> list[Route]:
-    """The route of a function's graph: the fastest reader of its calls, the output tree."""
-    return [(reader_for(captured.signature), Tree.of(captured.outputs))]
+    """The route of a function's graph: the fastest reader of its calls, the output tree;
+    for a result that is the caller's TensorDict (see `_values.input_views`), the writer
+    that sets the written entries into it."""
+    reader, outputs = reader_for(captured.signature), captured.outputs
+    result = outputs.rebuild(outputs.static)
+    if is_written_input(result) and isinstance(reader, TensorDictEntries):
+        keys = _tree.leaf_keys(result[1])
+        if result[0].argument == 0 and len(keys) == len(outputs.static):  # all tensors
+            return [(reader, IntoTensorDict(keys, outputs.device))]
+    if is_written_input(result) or (type(result) is tuple and any(map(is_written_input, result))):
+        return [(reader, IntoCallers(outputs))]
+    return [(reader, Tree.of(outputs))]
 
 
 class ReplayPath:

@@ -190,7 +190,7 @@ class DifferentiableCall:
         # Outputs that are inputs or views of them, taken from the caller's tensors (see
         # `_values.input_views`): the node's copies of them are dropped, and autograd gives
         # their gradients straight to the inputs (the backward graph gets zeros for them).
-        self._views = views
+        self._views = self.input_views = views
         self._touches_inputs = bool(mutated) or views is not None
 
     def launch(

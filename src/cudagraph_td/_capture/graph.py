@@ -24,7 +24,7 @@ from .._state import training as _training
 from .._state.state import State
 from .._values import tree as _tree
 from .._values.aliasing import WrittenInputs, versions, written
-from .._values.input_views import InputViews
+from .._values.input_views import InputViews, ReturnedTensorDicts, tensordicts_before
 from .._values.outputs import FreshCopies, Outputs
 from .._values.signature import Signature, validate
 from .autograd import capture_differentiable
@@ -58,7 +58,7 @@ class GraphCall:
         self._fresh = outputs.copies.make
         # Outputs that are inputs or views of them, taken from the caller's tensors; only
         # the others are copied (see `_values.input_views`).
-        self._views = views
+        self._views = self.input_views = views
         self._touches_inputs = bool(mutated) or views is not None
         if views is not None:
             computed = [outputs.static[j] for j in views.computed]
@@ -73,8 +73,8 @@ class GraphCall:
         """This graph replayed on fewer rows: ``signature``'s static inputs and ``outputs``'
         static tensors are views of the first rows of this graph's (a bucket's graph).
 
-        Its outputs are all copies: an output that is a view of an input is one of the
-        padded input here, as on the padded calls that warmed up and captured the graph.
+        Its outputs are all copies: a bucket's graph that returns an input or a view of one
+        is refused at its capture (see `_shapes.buckets`).
         """
         mutated = self._writes.indices
         return GraphCall(signature, self.graph, outputs, mutated, self._watch, self.state)
@@ -129,6 +129,7 @@ def capture(
     inputs = signature.read(args, kwargs)
     assert inputs is not None
     before = versions(inputs)
+    tensordicts = tensordicts_before(args, kwargs)
     observed = _training.Observation(fn)
     try:
         result = backend.warmup(lambda: fn(*args, **kwargs))
@@ -143,13 +144,19 @@ def capture(
     # counter (one tensor passed twice, views of one): the graph's own copies, which the
     # capture runs the function on, tell which ones the graph writes (see `_values.aliasing`).
     mutated = written(inputs, before)
+    # A TensorDict argument returned (`return td`): the graph returns the entries written
+    # into it, which each call sets into the caller's (see `_values.input_views`).
+    returned = ReturnedTensorDicts.of(result, tensordicts)
+    graphed, form = fn, result
+    if returned is not None:
+        graphed, form = returned.graphed(fn), returned.form(result)
     # Outputs that are the caller's inputs or views of them: every call returns them so.
-    views = InputViews.of(signature, result, inputs)
+    views = InputViews.of(signature, form, inputs)
     if grad and _path_requiring_grad(result):
         # Autograd holds the parameters it differentiates: they are followed by identity too.
         follow = functools.partial(observed.state, name, identity=True)
         call = capture_differentiable(
-            name, fn, signature, backend.for_autograd(), result, inputs, mutated, follow, views
+            name, graphed, signature, backend.for_autograd(), form, inputs, mutated, follow, views
         )
         return call, result
     for t, path in zip(signature.static_inputs, signature.tensor_paths(), strict=True):
@@ -160,11 +167,11 @@ def capture(
         # Fresh containers at each run, so that keys written into an input TensorDict by one
         # (emulated) run are not inputs of the next, as on CUDA where the function runs once.
         static_args, static_kwargs = signature.static_tree()
-        return fn(*static_args, **static_kwargs)
+        return graphed(*static_args, **static_kwargs)
 
     static_versions = versions(signature.static_inputs)
     try:
-        graph, static_out = observed.record(lambda: backend.capture(run_static, like=result))
+        graph, static_out = observed.record(lambda: backend.capture(run_static, like=form))
     except Exception as err:
         raise _errors.capture_failure(
             name, "capture the graph", err, device=backend.device

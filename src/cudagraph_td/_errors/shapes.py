@@ -60,6 +60,17 @@ def padding_refused(name: str, why: str) -> RuntimeError:
     )
 
 
+def input_returned_padded(name: str, output: str, input_path: str) -> ValueError:
+    return ValueError(
+        f'{name}(shapes="buckets") returns {output} as {input_path} or a view of it, which '
+        "it cannot return on every call: a call padded to a bucket runs on a padded copy of "
+        f"{input_path}, and a bucket's graph replays calls of fewer rows on its own buffers, so "
+        "the output would be a copy instead of your tensor. Return a copy (`.clone()` the "
+        "output), or use shapes=Exact() (one graph per batch size, which returns your tensor). "
+        f"{_SHARP_EDGES}"
+    )
+
+
 def above_buckets(name: str, batch: Any, buckets: Any, elsewhere: bool = False) -> RuntimeError:
     where = (
         f"received batch dims {list(batch)}, and another rank of its DDP step a batch above"

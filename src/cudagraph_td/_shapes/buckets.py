@@ -63,7 +63,7 @@ class BucketGraphs(Graphs):
             runner = self.runners[size] = self._new_runner()
         padded = _padding.resize(args, kwargs, size)
         out = self._run(size, runner, *padded, _numel(batch), _numel(size))
-        self._refuse_training_step(size, runner)
+        self._refuse(size, runner)
         self._answer(size, runner, batch, args, kwargs)
         return _padding.rows(self.name, out, size, batch)
 
@@ -125,17 +125,26 @@ class BucketGraphs(Graphs):
             runner = self.runners.setdefault(each, self._new_runner())
             runner.skip_warmup()  # the largest's warm-ups did the lazy initialisations
             out = runner.run(*_padding.resize(args, kwargs, each))
-            self._refuse_training_step(each, runner)
+            self._refuse(each, runner)
             if each == size:
                 answer = _padding.rows(self.name, out, size, batch)
                 self._answer(size, runner, batch, args, kwargs)
         return answer
 
-    def _refuse_training_step(self, size: tuple[int, ...], runner: GraphRunner) -> None:
+    def _refuse(self, size: tuple[int, ...], runner: GraphRunner) -> None:
+        """Drop a graph just captured, and raise, if it is a training step (unless declared
+        row-independent), or if it returns an input or a view of one (see
+        `_values.input_views`): padded calls and a bucket's rows would return copies."""
         captured = runner.captured
-        if captured is not None and captured.training_step and not self.options.row_independent:
+        if captured is None:
+            return
+        if captured.training_step and not self.options.row_independent:
             del self.runners[size]
             raise _errors_shapes.padding_refused(self.name, "a training step")
+        if captured.input_views is not None:
+            del self.runners[size]
+            output, input_path = captured.input_views.first()
+            raise _errors_shapes.input_returned_padded(self.name, output, input_path)
 
     def _rows(
         self,

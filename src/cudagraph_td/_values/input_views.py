@@ -14,14 +14,19 @@ A view is taken at the capture's strides and offset from the caller's tensor: a 
 tensor is laid out otherwise (a transposed tensor, where the capture had a contiguous one)
 is refused, since no view of the same elements can be named in another layout (eager's
 ``x.view`` fails there, its ``reshape`` copies).
+
+A function may also return one of its TensorDict arguments, alone or in a returned tuple
+(``ReturnedTensorDicts``, below): every call returns the caller's TensorDict, the entries
+the function wrote set into it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from tensordict import TensorDictBase
 
 from .._compat import as_strided
 from .._errors import inputs as _errors
@@ -95,6 +100,11 @@ class InputViews:
         views.computed = [j for j in range(len(tensors)) if j not in taken]
         return views
 
+    def first(self) -> tuple[str, str]:
+        """The paths of the first output that is an input or a view of one, and of that input."""
+        j, i = min([(j, i) for j, i in self.same] + [(view[0], view[1]) for view in self.views])
+        return self._out_paths[j], self._signature.tensor_paths()[i]
+
     def check(self, tensors: Sequence[torch.Tensor]) -> None:
         """Raise if a call's input is laid out otherwise than the capture's, where an output
         is a view of it.
@@ -130,3 +140,115 @@ def _within(start: int, end: int, t: torch.Tensor) -> bool:
     """Whether the bytes from ``start`` to ``end`` lie in ``t``'s span."""
     t_start, t_end = span(t)
     return t_start <= start and end <= t_end
+
+
+# Results that are the caller's TensorDicts ---------------------------------------------------
+#
+# A function may return one of its TensorDict arguments (``td["y"] = net(td["x"]);
+# return td``, ``lambda td: td``), alone or as an item of a returned tuple (``td, loss``).
+# An eager call returns the caller's TensorDict, with the function's writes; a graph would
+# return a new one. ``ReturnedTensorDicts`` is read at capture from the capturing call's
+# eager result: the graph then returns, in the TensorDict's place, the written-input form
+# of the TensorDict-module layer (`_call.tdmodule`): a marker naming the argument, and the
+# entries the function wrote (new keys, and keys rebound to other tensors); each call sets
+# those into the caller's TensorDict (`into_callers`), which it returns.
+
+# An argument of the call: its index among the positional ones, or a keyword's name.
+_Argument = int | str
+
+
+class WrittenInput:
+    """The marker of the written-input form: ``(WrittenInput(argument), entries)``."""
+
+    def __init__(self, argument: _Argument):
+        self.argument = argument
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, WrittenInput) and other.argument == self.argument
+
+    def __hash__(self) -> int:
+        return hash((WrittenInput, self.argument))
+
+    def __repr__(self) -> str:
+        return f"<the caller's TensorDict {self.argument!r}>"
+
+
+def tensordicts_before(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[_Argument, Any]:
+    """The entries of each TensorDict argument before a call (for `ReturnedTensorDicts.of`)."""
+    arguments: list[tuple[_Argument, Any]] = [*enumerate(args), *kwargs.items()]
+    return {
+        where: (value, dict(value.items(include_nested=True, leaves_only=True)))
+        for where, value in arguments
+        if isinstance(value, TensorDictBase)
+    }
+
+
+class ReturnedTensorDicts:
+    """Where a function's result is one of the call's TensorDict arguments: the place in the
+    result (``None``: the whole result; else an index of the returned tuple), the argument,
+    and the keys it wrote there."""
+
+    def __init__(self, places: list[tuple[int | None, _Argument, list[Any]]]):
+        self.places = places
+
+    @classmethod
+    def of(cls, result: Any, before: dict[_Argument, Any]) -> ReturnedTensorDicts | None:
+        """The TensorDict arguments that ``result``, an eager result, returns; ``before``:
+        their entries before the call (`tensordicts_before`). None if none (the common case)."""
+        if not before:
+            return None
+        items: list[tuple[int | None, Any]] = [(None, result)]
+        if type(result) is tuple:
+            items = list(enumerate(result))
+        places: list[tuple[int | None, _Argument, list[Any]]] = []
+        for place, item in items:
+            for where, (td, entries) in before.items():
+                if item is td:
+                    written = [
+                        key
+                        for key, value in td.items(include_nested=True, leaves_only=True)
+                        if entries.get(key) is not value
+                    ]
+                    places.append((place, where, written))
+                    break
+        return cls(places) if places else None
+
+    def form(self, result: Any) -> Any:
+        """``result`` with each TensorDict argument it returns in the written-input form."""
+        if self.places[0][0] is None:
+            _, where, written = self.places[0]
+            return (WrittenInput(where), result.select(*written))
+        items = list(result)
+        for place, where, written in self.places:
+            assert place is not None
+            items[place] = (WrittenInput(where), items[place].select(*written))
+        return tuple(items)
+
+    def graphed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn``, its result in the written-input form: the function a graph captures."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self.form(fn(*args, **kwargs))
+
+        return call
+
+
+def is_written_input(value: Any) -> bool:
+    """Whether ``value`` is in the written-input form."""
+    return type(value) is tuple and len(value) == 2 and isinstance(value[0], WrittenInput)
+
+
+def into_callers(args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> Any:
+    """A graph's ``result`` with each written-input form replaced by the caller's
+    TensorDict, its entries set: what the function returned eagerly."""
+    if is_written_input(result):
+        return _into_caller(args, kwargs, result)
+    if type(result) is tuple and any(map(is_written_input, result)):
+        return tuple(_into_caller(args, kwargs, i) if is_written_input(i) else i for i in result)
+    return result
+
+
+def _into_caller(args: tuple[Any, ...], kwargs: dict[str, Any], written: Any) -> Any:
+    where = written[0].argument
+    td = args[where] if isinstance(where, int) else kwargs[where]
+    return td.update(written[1])
