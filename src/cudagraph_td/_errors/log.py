@@ -32,7 +32,7 @@ def function_name(fn: Any) -> str:
         fn = fn.func
     if isinstance(fn, torch.nn.Module):
         return type(fn).__name__
-    return str(getattr(fn, "__qualname__", None) or type(fn).__name__)
+    return str(getattr(fn, "__name__", None) or type(fn).__name__)
 
 
 def graph_label(name: str, fn: Any, mode: str) -> str:
