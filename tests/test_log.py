@@ -172,4 +172,5 @@ def test_no_hint_when_a_backward_runs_or_under_no_grad(
     # The capture's record alone: no hint.
     ((name, level, message),) = _records(caplog)
     mode = "no_grad, train': captured a graph" if when == "no_grad" else "grad, train': captured a"
-    assert level == logging.INFO and message.startswith(f"CudaGraphModule(Linear), mode '{mode}")
+    assert (name, level) == (LOGGER, logging.INFO)
+    assert message.startswith(f"CudaGraphModule(Linear), mode '{mode}")
