@@ -42,11 +42,11 @@ def graph_label(name: str, fn: Any, mode: str) -> str:
 
 
 def _size(n: int) -> str:
-    for unit in ("bytes", "KiB", "MiB"):
-        if abs(n) < 1024 or unit == "MiB":
-            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n:.1f} GiB"  # pragma: no cover
+    if abs(n) < 1 << 10:
+        return f"{n} bytes"
+    if abs(n) < 1 << 20:
+        return f"{n / (1 << 10):.1f} KiB"
+    return f"{n / (1 << 20):.1f} MiB"
 
 
 def static_bytes(tensors: Iterable[torch.Tensor]) -> int:
