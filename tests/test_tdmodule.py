@@ -265,6 +265,22 @@ def test_wrong_keyword_tensors_name_the_keyword(
     torch.testing.assert_close(out, graphed.module(expected)["action"])
 
 
+@torch.no_grad()
+def test_a_keyword_call_without_an_in_key_names_the_keyword(backend: Backend) -> None:
+    net = nn.Linear(4, 2).to(backend.device)
+    module = TensorDictModule(
+        lambda o, h: net(o) + h, in_keys=["observation", "hidden"], out_keys=["action"]
+    )
+    graphed = backend.wrap(module, warmup=1)
+    graphed(observation=backend.randn(8, 4), hidden=backend.randn(8, 1))
+    message = (
+        'CudaGraphModule received no kwargs["hidden"], which the captured graph reads (an '
+        "in_key of the module). Pass every in_key by keyword, or a TensorDict with every in_key."
+    )
+    with pytest.raises(KeyError, match=re.escape(message)):
+        graphed(observation=backend.randn(8, 4))
+
+
 def test_recurrent_state_written_under_an_input_key(backend: Backend) -> None:
     def cell(tensordict: TensorDict) -> TensorDict:
         hidden = torch.tanh(tensordict["hidden"] * 0.9 + tensordict["obs"].sum(-1, keepdim=True))

@@ -175,9 +175,10 @@ class TensorDictLayer:
             inputs = _batched_as_out(tensordict.copy(), tensordict_out)
         try:
             out = runner.run((inputs, *args), kwargs)
-        except _errors.InputMismatchError as err:
+        except (_errors.InputMismatchError, _errors.InputKeyError, RuntimeError) as err:
             # The full check named the TensorDict that dispatch made (`args[0]`): a keyword
-            # call is told about its keyword.
+            # call is told about its keywords (missing, or of another shape, dtype, device or
+            # `requires_grad`); any other error is raised as it is.
             captured = runner.captured
             if not keywords or captured is None:
                 raise
@@ -196,10 +197,19 @@ class TensorDictLayer:
         static = captured.signature.static_args
         if len(static) != 1 or not is_tensor_collection(static[0]):
             return None
-        for key in self.in_keys:
-            old, new = static[0].get(key, None), inputs.get(key, None)
+        pairs = [
+            (
+                f'kwargs["{"_".join(_key_tuple(key))}"]',
+                static[0].get(key, None),
+                inputs.get(key, None),
+            )
+            for key in self.in_keys
+        ]
+        missing = [where for where, old, new in pairs if old is not None and new is None]
+        if missing:
+            return _errors.missing_keywords(self.name, missing)
+        for where, old, new in pairs:
             if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
-                where = f'kwargs["{"_".join(_key_tuple(key))}"]'
                 error = captured.signature.diagnose_tensor(where, old, new)
                 if error is not None:
                     return error

@@ -272,6 +272,15 @@ def missing_keys(name: str, missing: list[str]) -> InputKeyError:
     )
 
 
+def missing_keywords(name: str, missing: list[str]) -> InputKeyError:
+    """A keyword call of a TensorDict module without some of the tensors its graph reads."""
+    shown = ", ".join(missing)
+    return InputKeyError(
+        f"{name} received no {shown}, which the captured graph reads (an in_key of the "
+        f"module). Pass every in_key by keyword, or a TensorDict with every in_key."
+    )
+
+
 def missing_in_keys(name: str, missing: list[Any]) -> InputKeyError:
     return InputKeyError(
         f"{name} input lacks the in_keys {missing} that the module reads. Pass a TensorDict "
