@@ -112,7 +112,7 @@ ROUTES = {
     "keywords-out-keys": Route(
         _replay.Keywords,
         _replay.OutKeyValues,
-        'args[0]["observation"]',
+        'kwargs["observation"]',  # the keyword as the call passed it
         _module_keywords,
         KeyError,
     ),

@@ -207,6 +207,7 @@ def test_past_max_graphs_a_warning_then_eager_calls(backend: Backend) -> None:
         x = backend.randn(4)
         torch.testing.assert_close(graphed(x), x + 1)
     assert len(graphed.graphs()) == 2
+    assert graphed.graphs().eager_calls == {"past max_graphs": 2}
     strict = backend.wrap(fn, warmup=1, shapes=Exact(max_graphs=1, overflow="raise"))
     strict(backend.randn(1))
     with pytest.raises(RuntimeError, match=re.escape("reached max_graphs=1")):
@@ -214,13 +215,35 @@ def test_past_max_graphs_a_warning_then_eager_calls(backend: Backend) -> None:
 
 
 @torch.no_grad()
-def test_above_the_largest_bucket_eager_or_an_error(backend: Backend) -> None:
-    graphed = backend.wrap(lambda x: x * 3, warmup=1, shapes=Buckets([4, 8]))
-    x = backend.randn(9, 2)
-    torch.testing.assert_close(graphed(x), x * 3)
+def test_above_the_largest_bucket_a_warning_then_eager_calls_or_an_error(backend: Backend) -> None:
+    fn = counting(lambda x: x * 3)
+    graphed = backend.wrap(fn, warmup=1, shapes=Buckets([4, 8]))
+    graphed(backend.randn(8, 2))  # both buckets captured
+    message = (
+        "CudaGraphModule received batch dims [9], above its largest bucket 8 (sizes [4, 8]): "
+        "such calls run eagerly, without a graph (this warning is issued once; "
+        "`graphs().eager_calls` counts them). Add a larger size to Buckets, or pass "
+        "Buckets(..., overflow='raise') to refuse them."
+    )
+    with pytest.warns(GraphLimitWarning, match=re.escape(message)):
+        x = backend.randn(9, 2)
+        fn.calls = 0
+        torch.testing.assert_close(graphed(x), x * 3)
+        assert fn.calls == 1  # eagerly
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once
+        x = backend.randn(100, 2)
+        torch.testing.assert_close(graphed(x), x * 3)
+    assert graphed.graphs().eager_calls == {"above the largest bucket": 2}
+    assert [info.key for info in graphed.graphs()] == [(8,), (4,)]  # still a list of graphs
+    assert "    eager_calls={'above the largest bucket': 2}\n" in repr(graphed)
+    graphed.reset()
+    assert graphed.graphs().eager_calls == {}
+    assert "    eager_calls=" not in repr(graphed)
     strict = backend.wrap(lambda x: x * 3, warmup=1, shapes=Buckets([4, 8], overflow="raise"))
     with pytest.raises(RuntimeError, match=re.escape("batch dims [9], above its largest bucket 8")):
-        strict(x)
+        strict(backend.randn(9, 2))
+    assert strict.graphs().eager_calls == {}  # refused, not run
 
 
 @torch.no_grad()

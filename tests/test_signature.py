@@ -56,8 +56,8 @@ def test_wrong_shape(backend: Backend) -> None:
         ValueError,
         'CudaGraphModule was captured with kwargs["obs"] of shape (3,), but received shape (5,). '
         "A CUDA graph replays fixed shapes: pass an input of the captured shape, make the "
-        'CudaGraphModule with shapes="exact" (a graph per shape) or shapes="buckets" (batch '
-        f"sizes padded to a few graphs), {HINT}",
+        "CudaGraphModule with `shapes=Exact()` (a graph per shape) or `shapes=Buckets([...])` "
+        f"(batch sizes padded to a few graphs), {HINT}",
     )
 
 
@@ -81,7 +81,10 @@ def test_wrong_batch_size(backend: Backend) -> None:
         (args[0], td, args[2]),
         kwargs,
         ValueError,
-        "captured with args[1] of batch size [4], but received batch size [].",
+        "CudaGraphModule was captured with args[1] of batch size [4], but received batch size "
+        "[]. A CUDA graph replays fixed shapes: pass a TensorDict of the captured batch size, "
+        "make the CudaGraphModule with `shapes=Exact()` (a graph per shape) or "
+        f"`shapes=Buckets([...])` (batch sizes padded to a few graphs), {HINT}",
     )
 
 

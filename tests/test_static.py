@@ -139,6 +139,7 @@ def test_values_past_max_graphs_run_eagerly_after_a_warning_or_raise(backend: Ba
         torch.testing.assert_close(graphed(x, 3), x**3)
         torch.testing.assert_close(graphed(x, 2), x**2)
     assert calls == [3]  # the third value ran eagerly; the second replayed its graph
+    assert graphed.graphs().eager_calls == {"past max_graphs static values": 2}
     strict = backend.wrap(fn, warmup=1, static=(1,), shapes=Static(max_graphs=1, overflow="raise"))
     strict(x, 1)
     with pytest.raises(RuntimeError, match="reached max_graphs=1"):

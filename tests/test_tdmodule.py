@@ -227,6 +227,60 @@ def test_wrong_tensordict_inputs_name_the_key(backend: Backend, td: Any, message
         graphed(td(backend))
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("capture", ["tensordict", "keywords"])
+@pytest.mark.parametrize(
+    ("obs", "message"),
+    [
+        (
+            lambda b: b.randn(16, 4),
+            'captured with kwargs["observation"] of shape (8, 4), but received shape (16, 4). '
+            "A CUDA graph replays fixed shapes: pass an input of the captured shape, make the "
+            "CudaGraphModule with `shapes=Exact()` (a graph per shape) or "
+            "`shapes=Buckets([...])` (batch sizes padded to a few graphs), or call `reset()`",
+        ),
+        (
+            lambda b: b.randn(8, 4).double(),
+            'captured with kwargs["observation"] of dtype torch.float32, but received dtype '
+            "torch.float64",
+        ),
+    ],
+    ids=["shape", "dtype"],
+)
+def test_wrong_keyword_tensors_name_the_keyword(
+    backend: Backend, capture: str, obs: Any, message: str
+) -> None:
+    # `policy(observation=obs)` is told about `observation`, not about the TensorDict that
+    # the keyword call builds (`args[0]`), whichever call captured the graph.
+    graphed = backend.wrap(_actor(backend), warmup=1)
+    if capture == "tensordict":
+        graphed(_obs_td(backend))
+    else:
+        graphed(observation=backend.randn(8, 4))
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        graphed(observation=obs(backend))
+    assert info.value.path == 'kwargs["observation"]'  # type: ignore[attr-defined]
+    expected = _obs_td(backend)
+    out = graphed(observation=expected["observation"])  # the graph still answers
+    torch.testing.assert_close(out, graphed.module(expected)["action"])
+
+
+@torch.no_grad()
+def test_a_keyword_call_without_an_in_key_names_the_keyword(backend: Backend) -> None:
+    net = nn.Linear(4, 2).to(backend.device)
+    module = TensorDictModule(
+        lambda o, h: net(o) + h, in_keys=["observation", "hidden"], out_keys=["action"]
+    )
+    graphed = backend.wrap(module, warmup=1)
+    graphed(observation=backend.randn(8, 4), hidden=backend.randn(8, 1))
+    message = (
+        'CudaGraphModule received no kwargs["hidden"], which the captured graph reads (an '
+        "in_key of the module). Pass every in_key by keyword, or a TensorDict with every in_key."
+    )
+    with pytest.raises(KeyError, match=re.escape(message)):
+        graphed(observation=backend.randn(8, 4))
+
+
 def test_recurrent_state_written_under_an_input_key(backend: Backend) -> None:
     def cell(tensordict: TensorDict) -> TensorDict:
         hidden = torch.tanh(tensordict["hidden"] * 0.9 + tensordict["obs"].sum(-1, keepdim=True))

@@ -17,11 +17,12 @@ from .._capture import sharing as _sharing
 from .._capture.backend import SharedPool, backend_factory, check_options
 from .._compat import raw_stream
 from .._errors import inputs as _errors
+from .._errors import log as _log
 from .._errors import shapes as _errors_shapes
 from .._shapes import graphs as _shapes
 from .._shapes import options as _shape_options
 from .._shapes.buckets import BucketGraphs
-from .._shapes.graphs import GraphInfo, Overflow
+from .._shapes.graphs import GraphList, Overflow
 from .._shapes.options import Buckets, Exact, Static
 from . import copying as _copying
 from . import modes as _modes
@@ -332,6 +333,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
                 key,
                 self._fn,
                 self._lock,
+                _log.graph_label(self._name, self.module, self._shown(key)),
             )
         return key, graphs
 
@@ -346,9 +348,16 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         a warning (once), or an error."""
         assert self._static is not None
         where = (key.mode, key.device)
+        overflow = self._overflows.get(where)
+        if overflow is None:
+            label = _log.graph_label(self._name, self.module, self._shown(key))
+            overflow = self._overflows[where] = Overflow(self._shapes, label)
         seen = [self._static.shown(k.values) for k in self._graphs if (k.mode, k.device) == where]
-        overflow = self._overflows.setdefault(where, Overflow(self._name, self._shapes))
-        return overflow.call(self._fn, args, kwargs, self._lock, seen, "Static values", 5)
+        message = _errors_shapes.too_many_graphs(
+            self._name, self._shapes.max_graphs, seen, self._shapes.overflow, "Static values"
+        )
+        reason = _errors_shapes.PAST_MAX_STATIC_VALUES
+        return overflow.call(self._fn, args, kwargs, self._lock, reason, message, 5)
 
     def _current_graphs(self) -> Graphs | None:  # the current mode's, on the last call's device
         where = self._where
@@ -370,8 +379,10 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         return 0 if graphs is None else graphs.counter()
 
     def reset(self) -> None:
-        """Drop the captured graphs and their buffers; the next call starts the warm-up again."""
+        """Drop the captured graphs and their buffers, and the counts of calls that ran
+        eagerly; the next call starts the warm-up again."""
         self._graphs.clear()
+        self._overflows.clear()
         self._table.clear()
 
     @property
@@ -380,16 +391,32 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         graphs = self._current_graphs()
         return graphs is not None and graphs.captured_any()
 
-    def graphs(self) -> list[GraphInfo]:
+    def graphs(self) -> GraphList:
         """The wrapper's graphs: each one's mode, key (None for ``Static``, the structure and
         input shapes for ``Exact``, the batch dims for ``Buckets``), whether it is captured,
-        its replays, and the fraction of the rows replayed that were padding."""
+        its replays, and the fraction of the rows replayed that were padding.
+
+        A list of ``GraphInfo``, whose ``eager_calls`` attribute counts the calls that no
+        graph answered and that ran eagerly, by reason (``"past max_graphs"``, ``"past
+        max_graphs static values"``, ``"above the largest bucket"``), since the last
+        ``reset()``.
+        """
         with self._lock:
-            return [
+            infos = [
                 info
                 for key, graphs in self._graphs.items()
                 for info in graphs.infos(self._shown(key))
             ]
+            return GraphList(infos, self._eager_calls())
+
+    def _eager_calls(self) -> dict[str, int]:
+        """The calls that ran eagerly, by reason, over every mode and device."""
+        counts: dict[str, int] = {}
+        overflows = [graphs.overflow for graphs in self._graphs.values()]
+        for overflow in [*overflows, *self._overflows.values()]:
+            for reason, calls in overflow.calls.items():
+                counts[reason] = counts.get(reason, 0) + calls
+        return counts
 
     def pool(self) -> Any:
         """The memory pool of the wrapper's graphs, to share with other wrappers (``pool=``)."""
@@ -495,5 +522,8 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         if self._shape_value != Static():  # the default
             fields["shapes"] = repr(self._shape_value)
         fields["state"] = state
+        eager_calls = self._eager_calls()
+        if eager_calls:
+            fields["eager_calls"] = repr(eager_calls)
         body = ",\n".join(f"    {key}={value}" for key, value in fields.items())
         return f"{type(self).__name__}(\n{body}\n)"

@@ -173,13 +173,47 @@ class TensorDictLayer:
             # A function that writes into its input writes into a copy, whose entries then
             # go to `tensordict_out`: the caller's TensorDict is left as it was.
             inputs = _batched_as_out(tensordict.copy(), tensordict_out)
-        out = runner.run((inputs, *args), kwargs)
+        try:
+            out = runner.run((inputs, *args), kwargs)
+        except (_errors.InputMismatchError, _errors.InputKeyError, RuntimeError) as err:
+            # The full check named the TensorDict that dispatch made (`args[0]`): a keyword
+            # call is told about its keywords (missing, or of another shape, dtype, device or
+            # `requires_grad`); any other error is raised as it is.
+            captured = runner.captured
+            if not keywords or captured is None:
+                raise
+            raise self._keyword_error(captured, inputs) or err from None
         target = tensordict if tensordict_out is None else tensordict_out
         if isinstance(out, tuple) and len(out) == 2 and out[0] is WROTE_INPUT:
             return target.update(out[1])
         if tensordict_out is not None and is_tensor_collection(out):
             return tensordict_out.update(out)
         return out
+
+    def _keyword_error(self, captured: Captured, inputs: Any) -> Exception | None:
+        """For a keyword call that the graph refused, the error that names the first keyword
+        tensor that differs from the captured entry, as the user passed it
+        (``kwargs["observation"]``); None if none does (the full check's error stands)."""
+        static = captured.signature.static_args
+        if len(static) != 1 or not is_tensor_collection(static[0]):
+            return None
+        pairs = [
+            (
+                f'kwargs["{"_".join(_key_tuple(key))}"]',
+                static[0].get(key, None),
+                inputs.get(key, None),
+            )
+            for key in self.in_keys
+        ]
+        missing = [where for where, old, new in pairs if old is not None and new is None]
+        if missing:
+            return _errors.missing_keywords(self.name, missing)
+        for where, old, new in pairs:
+            if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
+                error = captured.signature.diagnose_tensor(where, old, new)
+                if error is not None:
+                    return error
+        return None
 
     def routes(self, captured: Captured) -> list[Route]:
         """The replay path's routes for a graph of a TensorDict module, or of a function

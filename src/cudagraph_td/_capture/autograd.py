@@ -18,6 +18,7 @@ import torch
 
 from .._compat import foreach_copy_, graph_replay
 from .._errors import inputs as _errors
+from .._errors import log as _log
 from .._state.state import State
 from .._values import tree as _tree
 from .._values.aliasing import WrittenInputs, versions, written
@@ -92,6 +93,7 @@ class _GraphedFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         call: DifferentiableCall = ctx.call
+        call.hint_at = 0  # a backward ran: no hint (see `DifferentiableCall.hint_at`)
         if ctx.ungraded:
             raise _errors.ungraded_backward(call.name, ctx.ungraded)
         if torch.is_grad_enabled():
@@ -182,6 +184,11 @@ class DifferentiableCall:
             none, none, *(fresh_index.get(slot, none) for slot in backward.grad_slots)
         )
         self.generation = 0  # the number of forwards replayed: a backward must be the last's
+        # The forward, counted by `generation`, at which a call in grad mode logs the hint that
+        # no backward ran (see `_errors.log.no_backward`); 0 once a backward ran, or the hint
+        # was given. Read from the counter that the forward keeps anyway: one comparison.
+        self.hint_at = _log.NO_BACKWARD_REPLAYS
+        self.label = name  # the graph, as log records name it (set by its `GraphRunner`)
         self._graphs = (forward.graph, backward.graph)  # held for the life of the call
         self._saved = forward.saved
         # The inputs that the forward writes in place, copied back to the caller's tensors;
@@ -200,7 +207,19 @@ class DifferentiableCall:
         backward refuses to run if ``ungraded`` names inputs (see ``ungraded``)."""
         if self._touches_inputs:  # decided at capture: the others check nothing
             return self._launch_writing(tensors, ungraded)
-        return _GraphedFunction.apply(self, ungraded, *tensors, *self.params)  # type: ignore[no-any-return]
+        outputs = _GraphedFunction.apply(self, ungraded, *tensors, *self.params)
+        if self.generation == self.hint_at:  # the forwards counted, no backward yet
+            self._no_backward()
+        return outputs  # type: ignore[no-any-return]
+
+    def _no_backward(self) -> None:
+        """The hint, once, that a graph replayed for autograd never ran its backward: in grad
+        mode only (a forward under `torch.no_grad()` builds no autograd graph)."""
+        if torch.is_grad_enabled():
+            self.hint_at = 0
+            _log.no_backward(self.label, self.generation)
+        else:
+            self.hint_at += _log.NO_BACKWARD_REPLAYS  # counted again from there
 
     def _launch_writing(
         self, tensors: Sequence[torch.Tensor], ungraded: tuple[str, ...]
@@ -214,6 +233,8 @@ class DifferentiableCall:
         if views is not None:
             views.check(tensors)
         outputs = _GraphedFunction.apply(self, ungraded, *tensors, *self.params)
+        if self.generation == self.hint_at:  # the forwards counted, no backward yet
+            self._no_backward()
         if self._writes.indices:
             with torch.no_grad():
                 self._writes.copy_back(tensors)

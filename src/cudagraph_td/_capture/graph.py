@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -19,6 +21,7 @@ import torch
 from .._call import replay as _replay
 from .._compat import capturable_on_cpu, foreach_copy_, graph_replay
 from .._errors import inputs as _errors
+from .._errors import log as _log
 from .._errors import state as _errors_state
 from .._state import training as _training
 from .._state.state import State
@@ -27,7 +30,7 @@ from .._values.aliasing import WrittenInputs, versions, written
 from .._values.input_views import InputViews, ReturnedTensorDicts, tensordicts_before
 from .._values.outputs import FreshCopies, Outputs
 from .._values.signature import Signature, validate
-from .autograd import capture_differentiable
+from .autograd import DifferentiableCall, capture_differentiable
 from .backend import Backend, Graph
 
 
@@ -256,6 +259,7 @@ class GraphRunner:
         self.backend: Backend | None = None
         self.counter = 0
         self.captured: _replay.Captured | None = None
+        self.label = name  # what log records call its graph (set by its `Graphs`)
 
     def skip_warmup(self) -> None:
         """Capture at the next call: another graph's warm-ups did the lazy initialisations."""
@@ -268,7 +272,7 @@ class GraphRunner:
                 return _replay.call(self.captured, args, kwargs)
             # State the graph reads was replaced: a new capture, from the warm-up (a
             # RecaptureWarning turned into an error refuses it, and the graph stays as it was).
-            state.recapture(self.name)
+            _log.recapturing(self.label, state.recapture(self.name))
             self.captured = self.backend = None
             self.counter = 0
         if self.make_backend is None:  # no CUDA: eager calls, capturable optimizers allowed
@@ -294,7 +298,24 @@ class GraphRunner:
             except Exception as err:
                 raise _errors.capture_failure(self.name, stage, err, device=backend.device) from err
             self.counter += 1
+            _log.warmed_up(self.label, self.counter, self.warmup - 1)
             return result
+        logged = _log.logger.isEnabledFor(logging.INFO)
+        device = backend.device
+        on_cuda = logged and device.type == "cuda"
+        reserved = torch.cuda.memory_reserved(device) if on_cuda else 0
+        start = time.perf_counter()
         self.captured, result = capture(self.name, self.fn, args, kwargs, backend)
+        elapsed = time.perf_counter() - start
         self.counter += 1
+        captured = self.captured
+        if isinstance(captured, DifferentiableCall):
+            captured.label = self.label  # for its hint (see `_errors.log.no_backward`)
+        if logged:
+            grown = torch.cuda.memory_reserved(device) - reserved if on_cuda else None
+            buffers = _log.static_bytes(
+                [*captured.signature.static_inputs, *captured.outputs.static]
+            )
+            autograd = isinstance(captured, DifferentiableCall)
+            _log.captured(self.label, autograd, elapsed, buffers, grown)
         return result

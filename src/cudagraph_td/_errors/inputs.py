@@ -84,8 +84,8 @@ def _several_shapes(name: str) -> str:
     if name.startswith(GRAPHED_CALLABLES):
         return "give `sample_args` a list of samples, one per shape (a graph pair for each)"
     return (
-        f'make the {name} with shapes="exact" (a graph per shape) or shapes="buckets" (batch '
-        "sizes padded to a few graphs)"
+        f"make the {name} with `shapes=Exact()` (a graph per shape) or `shapes=Buckets([...])` "
+        "(batch sizes padded to a few graphs)"
     )
 
 
@@ -116,7 +116,7 @@ def batch_size_mismatch(name: str, path: str, captured: Any, received: Any) -> I
     return InputMismatchError(
         f"{name} was captured with {path} of batch size {list(captured)}, but received batch "
         f"size {list(received)}. A CUDA graph replays fixed shapes: pass a TensorDict of the "
-        f"captured batch size, use one {name} per batch size, {reset_hint(name)}.",
+        f"captured batch size, {_several_shapes(name)}, {reset_hint(name)}.",
         path,
         tuple(captured),
         tuple(received),
@@ -303,6 +303,15 @@ def missing_keys(name: str, missing: list[str]) -> InputKeyError:
     return InputKeyError(
         f"{name} input lacks the key(s) {', '.join(missing)} that the captured graph reads. "
         "Pass a TensorDict with every entry it had at capture."
+    )
+
+
+def missing_keywords(name: str, missing: list[str]) -> InputKeyError:
+    """A keyword call of a TensorDict module without some of the tensors its graph reads."""
+    shown = ", ".join(missing)
+    return InputKeyError(
+        f"{name} received no {shown}, which the captured graph reads (an in_key of the "
+        f"module). Pass every in_key by keyword, or a TensorDict with every in_key."
     )
 
 

@@ -11,7 +11,10 @@ _SHARP_EDGES = 'See the sharp edges page, "Several shapes".'
 
 
 class GraphLimitWarning(UserWarning):
-    """A wrapper needed a graph past ``max_graphs``: such calls run eagerly (or raise)."""
+    """A call that no graph answers ran eagerly: past ``max_graphs`` graphs (shapes or
+    static values), or a batch above the largest bucket. Issued once per reason; later
+    such calls run eagerly in silence (``overflow="raise"`` refuses them instead), and
+    ``graphs().eager_calls`` counts them."""
 
 
 GraphLimitWarning.__module__ = "cudagraph_td"  # where users import it from
@@ -68,6 +71,27 @@ def input_returned_padded(name: str, output: str, input_path: str) -> ValueError
         "the output would be a copy instead of your tensor. Return a copy (`.clone()` the "
         "output), or use shapes=Exact() (one graph per batch size, which returns your tensor). "
         f"{_SHARP_EDGES}"
+    )
+
+
+# Why a call ran eagerly, as `graphs().eager_calls` and the log records count it.
+PAST_MAX_GRAPHS = "past max_graphs"
+PAST_MAX_STATIC_VALUES = "past max_graphs static values"
+ABOVE_BUCKETS = "above the largest bucket"
+
+
+def above_buckets_eager(name: str, batch: Any, buckets: Any, elsewhere: bool = False) -> str:
+    """The ``GraphLimitWarning`` of a call above the largest bucket, with overflow="eager"."""
+    where = (
+        f"received batch dims {list(batch)}, and another rank of its DDP step a batch above"
+        if elsewhere
+        else f"received batch dims {list(batch)}, above"
+    )
+    return (
+        f"{name} {where} its largest bucket {max(buckets)} (sizes {list(buckets)}): such "
+        "calls run eagerly, without a graph (this warning is issued once; "
+        "`graphs().eager_calls` counts them). Add a larger size to Buckets, or pass "
+        f"Buckets(..., overflow='raise') to refuse them. {_SHARP_EDGES}"
     )
 
 

@@ -60,7 +60,7 @@ class BucketGraphs(Graphs):
                 return self._capture_group(group, size, batch, args, kwargs)
             if len(self.runners) >= options.max_graphs:
                 return self._overflow(args, kwargs, None)
-            runner = self.runners[size] = self._new_runner()
+            runner = self.runners[size] = self.new_runner(size)
         padded = _padding.resize(args, kwargs, size)
         out = self._run(size, runner, *padded, _numel(batch), _numel(size))
         self._refuse(size, runner)
@@ -114,7 +114,7 @@ class BucketGraphs(Graphs):
         """Warm up the largest graph of ``group`` on this call (padded); at its capture,
         capture every graph of the group, largest first, and answer with this call's."""
         self._check(group[0], batch, args, kwargs)  # its warm-ups pad the call to it
-        lead = self._lead = self._lead or self._new_runner()
+        lead = self._lead = self._lead or self.new_runner(group[0])
         if lead.counter < lead.warmup - 1:
             out = lead.run(*_padding.resize(args, kwargs, group[0]))
             return _padding.rows(self.name, out, group[0], batch)
@@ -122,7 +122,7 @@ class BucketGraphs(Graphs):
         self.runners[group[0]] = lead
         answer = None
         for each in group:
-            runner = self.runners.setdefault(each, self._new_runner())
+            runner = self.runners.setdefault(each, self.new_runner(each))
             runner.skip_warmup()  # the largest's warm-ups did the lazy initialisations
             out = runner.run(*_padding.resize(args, kwargs, each))
             self._refuse(each, runner)

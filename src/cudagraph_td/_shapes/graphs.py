@@ -22,6 +22,7 @@ import torch
 from .._call import replay as _replay
 from .._call.replay import Captured, ReplayPath
 from .._capture.graph import GraphRunner, capture_turn
+from .._errors import log as _log
 from .._errors import shapes as _errors_shapes
 from .._values import tree as _tree
 
@@ -57,6 +58,15 @@ class GraphInfo(NamedTuple):
 GraphInfo.__module__ = "cudagraph_td"  # where users import it from
 
 
+class GraphList(list[GraphInfo]):
+    """What ``CudaGraphModule.graphs()`` returns: a list of ``GraphInfo``, and
+    ``eager_calls``, the calls that no graph answered and that ran eagerly, by reason."""
+
+    def __init__(self, infos: list[GraphInfo], eager_calls: dict[str, int]):
+        super().__init__(infos)
+        self.eager_calls = eager_calls
+
+
 class Graphs:
     """The graphs of one mode of a wrapper, chosen by the shapes of each call.
 
@@ -64,7 +74,7 @@ class Graphs:
     path of a captured call (its readers and writers come from the wrapper);
     ``settled(key)`` says whether the graph of ``key`` may take the replay path (not while
     ``verify=`` still checks its replays); ``fn`` is the function, for the calls that no
-    graph answers.
+    graph answers; ``label`` names the mode's graphs in log records (see `_errors.log`).
     """
 
     def __init__(
@@ -76,8 +86,10 @@ class Graphs:
         settled: Callable[[Hashable], bool],
         fn: Callable[..., Any],
         lock: Any,
+        label: str = "",
     ):
         self.name = name
+        self.label = label or name
         self._fn = fn
         self.options = options
         self.runners: dict[Hashable, GraphRunner] = {}
@@ -96,7 +108,7 @@ class Graphs:
         # The replay path of each captured call (a bucket's rows are calls of their own).
         self._paths: dict[int, tuple[ReplayPath, Captured]] = {}
         self._views: dict[Hashable, tuple[Captured, Captured]] = {}
-        self.overflow = Overflow(name, options)
+        self.overflow = Overflow(options, self.label)
 
     @property
     def captured(self) -> Captured | None:
@@ -136,8 +148,14 @@ class Graphs:
                 self._admit(key, args, kwargs)
                 if len(self.runners) >= self.options.max_graphs:
                     return self._overflow(args, kwargs, None)
-            runner = self.runners[key] = self._new_runner()
+            runner = self.runners[key] = self.new_runner(key)
         return self._run(key, runner, args, kwargs, 1, 1)
+
+    def new_runner(self, key: Hashable) -> GraphRunner:
+        """The runner of the graph of ``key``, which names it so in log records."""
+        runner = self._new_runner()
+        runner.label = self.label if key is None else f"{self.label}, key {_shown(key)}"
+        return runner
 
     def _run(
         self,
@@ -183,12 +201,23 @@ class Graphs:
     def _overflow(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Any, *, elsewhere: bool = False
     ) -> Any:
-        """A call past ``max_graphs`` or above the largest bucket (on this rank, or on
-        another rank of a DDP step: ``elsewhere``): eager, or an error."""
-        if batch is not None and self.options.overflow == "raise":
-            raise _errors_shapes.above_buckets(self.name, batch, self.options.buckets, elsewhere)
-        seen = None if batch is not None else [_shown(k) for k in self.runners]
-        return self.overflow.call(self._fn, args, kwargs, self._lock, seen)
+        """A call past ``max_graphs`` or, with its ``batch``, above the largest bucket (on
+        this rank, or on another rank of a DDP step: ``elsewhere``): eager, or an error."""
+        options = self.options
+        if batch is not None:
+            if options.overflow == "raise":
+                raise _errors_shapes.above_buckets(self.name, batch, options.buckets, elsewhere)
+            reason = _errors_shapes.ABOVE_BUCKETS
+            message = _errors_shapes.above_buckets_eager(
+                self.name, batch, options.buckets, elsewhere
+            )
+        else:
+            reason = _errors_shapes.PAST_MAX_GRAPHS
+            seen = [_shown(k) for k in self.runners]
+            message = _errors_shapes.too_many_graphs(
+                self.name, options.max_graphs, seen, options.overflow
+            )
+        return self.overflow.call(self._fn, args, kwargs, self._lock, reason, message)
 
     # The replay path -----------------------------------------------------------------------
 
@@ -278,13 +307,14 @@ def make_graphs(
     mode: Hashable,
     fn: Callable[..., Any],
     lock: Any,
+    label: str = "",
 ) -> Graphs:
     """The graphs of one mode (and device) of a wrapper, ``mode`` its key there. Nothing in
     them refers to the wrapper, so that dropping it frees them at once, without the garbage
     collector. ``cls``: `Graphs`, or its subclass for ``shapes="buckets"``."""
     route = functools.partial(_route, layer)
     settled = functools.partial(_settled, verifier, mode)
-    return cls(name, options, new_runner, route, settled, fn, lock)
+    return cls(name, options, new_runner, route, settled, fn, lock, label)
 
 
 def _settled(verifier: Any, mode: Hashable, key: Hashable) -> bool:
@@ -309,12 +339,13 @@ class Tally:
 
 class Overflow:
     """A call that no graph answers (past ``max_graphs`` graphs or static values, above the
-    largest bucket): the function run eagerly, after a warning (once), or an error."""
+    largest bucket): the function run eagerly, after a ``GraphLimitWarning`` (once per
+    reason), or an error. ``calls`` counts the eager calls by reason, for ``graphs()``."""
 
-    def __init__(self, name: str, options: ShapeOptions):
-        self.name = name
+    def __init__(self, options: ShapeOptions, label: str):
         self.options = options
-        self.warned = False
+        self.label = label  # the graphs', in log records
+        self.calls: dict[str, int] = {}
 
     def call(
         self,
@@ -322,21 +353,17 @@ class Overflow:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         lock: Any,
-        seen: list[Any] | None,
-        what: str = "Shapes",
+        reason: str,
+        message: str,
         stacklevel: int = 6,
     ) -> Any:
-        """Run ``fn`` for a call past the graphs ``seen`` (None: above the largest bucket,
-        whose error the caller raised), or raise if ``overflow="raise"``."""
-        options = self.options
-        if seen is not None:
-            message = _errors_shapes.too_many_graphs(
-                self.name, options.max_graphs, seen, options.overflow, what=what
-            )
-            if options.overflow == "raise":
-                raise RuntimeError(message)
-            if not self.warned:
-                self.warned = True
-                warnings.warn(message, _errors_shapes.GraphLimitWarning, stacklevel=stacklevel)
+        """Run ``fn`` for a call that no graph answers, for ``reason``, after ``message`` as
+        a warning the first time; raise ``message`` instead if ``overflow="raise"``."""
+        if self.options.overflow == "raise":
+            raise RuntimeError(message)
+        calls = self.calls[reason] = self.calls.get(reason, 0) + 1
+        if calls == 1:
+            warnings.warn(message, _errors_shapes.GraphLimitWarning, stacklevel=stacklevel)
+        _log.ran_eagerly(self.label, reason, calls)
         with capture_turn(lock):  # the wrapper's function runs only under it
             return fn(*args, **kwargs)

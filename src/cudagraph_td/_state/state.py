@@ -182,13 +182,12 @@ class State:
                 changed.append(f"{where} (submodules added or removed)")
         return changed
 
-    def recapture(self, name: str) -> None:
-        """Warn that the graph of ``name`` is captured again, naming the state replaced."""
-        warnings.warn(
-            _errors_state.recaptured(name, self.changes()),
-            RecaptureWarning,
-            stacklevel=_caller_level(),
-        )
+    def recapture(self, name: str) -> str:
+        """Warn that the graph of ``name`` is captured again, naming the state replaced;
+        return the warning's text."""
+        message = _errors_state.recaptured(name, self.changes())
+        warnings.warn(message, RecaptureWarning, stacklevel=_caller_level())
+        return message
 
 
 def _slot(binding: Binding) -> tuple[int, Any]:

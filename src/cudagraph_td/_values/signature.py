@@ -218,6 +218,14 @@ class Signature:
             self.name, [], [], [f"captured: {self.spec}", f"received: {received}"]
         )
 
+    def diagnose_tensor(self, where: str, captured: Any, received: Any) -> Exception | None:
+        """The error that explains how one input tensor differs from the captured one
+        (device, dtype, shape, ``requires_grad``), for an input passed otherwise than in the
+        captured tree and named ``where`` as the user passed it (a TensorDict module's keyword
+        tensor)."""
+        self._shapes, self._requires_grad = True, True
+        return self._compare_leaves(where, captured, received)
+
     def _compare(
         self,
         path: tuple[optree.PyTreeEntry, ...],
