@@ -10,7 +10,8 @@ replay path after other work (what workload g's taking turns costs).
 
 With ``--emulate``, the policy and the buckets run on the CPU emulation's graphs (no
 baseline, no floors of workload f, no ``--sac``): their times say nothing of a GPU's, but
-every step is still found and run (the test suite runs it so).
+every step is still found and run (the test suite runs it so, with ``--emulate --all``: the
+policy, ``--buckets`` and ``--after`` in one process).
 """
 
 from __future__ import annotations
@@ -300,6 +301,16 @@ def _call_in(graphed: Any, td: TensorDict, *, grad: bool) -> None:
 
 
 if __name__ == "__main__":
+    if "--all" in sys.argv:  # the three parts that run on the emulation, in one process
+        if not EMULATE:
+            raise SystemExit("--all runs on the emulation only (with --emulate)")
+        with torch.enable_grad():
+            main()
+        with torch.no_grad():  # workload f is called under no_grad
+            buckets()
+        with torch.enable_grad():
+            after_other_work()  # last: it stubs the emulation's replays
+        raise SystemExit
     torch.set_grad_enabled("--buckets" not in sys.argv)  # workload f is called under no_grad
     if "--sac" in sys.argv:
         if EMULATE:

@@ -70,17 +70,13 @@ def test_the_overhead_breakdown_follows_the_librarys_replay_path() -> None:
     assert "cudagraph_td: forward, backward" in out
 
 
-@pytest.mark.parametrize("what", ["policy", "--buckets", "--after"])
-def test_the_ablation_of_the_checks_follows_the_librarys_replay_path(what: str) -> None:
-    # As the test above, for benchmarks/ablate_checks.py (docs/benchmarks.md cites it).
-    args = ["--emulate"] + ([what] if what != "policy" else [])
-    out = _run(ROOT / "benchmarks" / "ablate_checks.py", *args).stdout
-    if what == "--after":
-        assert "after a grad-mode call" in out and "after an eager forward" in out
-        return
-    assert "State.fresh alone" in out
-    if what == "--buckets":
-        assert "cycled: path alone" in out and "lookup + path" in out
+def test_the_ablation_of_the_checks_follows_the_librarys_replay_path() -> None:
+    # As the test above, for benchmarks/ablate_checks.py (docs/benchmarks.md cites it): its
+    # policy, --buckets and --after parts, in one process.
+    out = _run(ROOT / "benchmarks" / "ablate_checks.py", "--emulate", "--all").stdout
+    assert out.count("State.fresh alone") == 2  # the policy's and the buckets'
+    assert "cycled: path alone" in out and "lookup + path" in out
+    assert "after a grad-mode call" in out and "after an eager forward" in out
 
 
 def test_the_leanrl_benchmark_runs_the_corpus_loops() -> None:
