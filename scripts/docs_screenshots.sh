@@ -13,7 +13,8 @@ pages=("${@:-api/}")
 site=$(mktemp -d)
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir "$site"
 mkdir -p "$out"
-python3 -m http.server "${PORT:=8765}" --directory "$site" > /dev/null 2>&1 &
+port=${PORT:-8765}
+python3 -m http.server "$port" --directory "$site" > /dev/null 2>&1 &
 server=$!
 trap 'kill $server' EXIT
 sleep 1
@@ -22,6 +23,6 @@ for page in "${pages[@]}"; do
   chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run \
     --disable-background-networking --disable-component-update --disable-sync \
     --user-data-dir="$(mktemp -d)" --hide-scrollbars --window-size=${WIDTH:-1400},${HEIGHT:-9000} \
-    --screenshot="$out/${name:-index}.png" "http://localhost:$PORT/$page" 2> /dev/null
+    --screenshot="$out/${name:-index}.png" "http://localhost:$port/$page" 2> /dev/null
 done
 ls -1 "$out"
