@@ -121,7 +121,7 @@ def capture(
     mutated = written(inputs, before)
     if grad and _path_requiring_grad(result):
         # Autograd holds the parameters it differentiates: they are followed by identity too.
-        follow = functools.partial(observed.state, name, identity=True)
+        follow = functools.partial(observed.state, name, identity=True, requires_grad=True)
         call = capture_differentiable(
             name, fn, signature, backend.for_autograd(), result, inputs, mutated, follow
         )
@@ -152,8 +152,9 @@ def capture(
     watch = observed.watch(name)
     if watch is not None and backend.reruns_python:
         graph = _training.PinnedGrads(graph, watch)
-    # A training step's optimizers hold its parameters: followed by identity too.
-    state = observed.state(name, identity=watch is not None)
+    # A training step's optimizers hold its parameters: followed by identity too. In grad
+    # mode, the `requires_grad` flags decide what autograd computes: followed too.
+    state = observed.state(name, identity=watch is not None, requires_grad=grad)
     return GraphCall(signature, graph, outputs, mutated, watch, state), result
 
 

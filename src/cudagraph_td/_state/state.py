@@ -11,6 +11,11 @@ to ``agent.net``, ``agent.opt``, a global or a closure variable). ``State`` hold
 piece was found and what it was at capture; its ``fresh()`` tells, before each replay,
 whether all of it is still there. When not, the graph is captured again, with a
 ``RecaptureWarning``.
+
+Host state that the capture baked in is followed the same way: the ``requires_grad`` flags of
+the tensors that a graph captured in grad mode reads (a layer frozen or unfrozen: autograd
+computes other gradients, an optimizer steps other parameters), and the number of parameter
+groups of a training step's optimizers, and of parameters in each (``add_param_group``).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
 from typing import Any
 
 import tensordict
@@ -36,6 +41,10 @@ from .._errors import state as _errors_state
 # or `__dict__`, an optimizer's `__dict__` (for its `state` and `param_groups`), or a dict of
 # its own for a tensor that nothing else binds (its address is still followed).
 Entry = tuple[str, Mapping[Any, Any], Any, Any]
+
+# A list whose length a graph bakes in: its path (for messages), the list, and what it says of
+# a change (an optimizer's `param_groups`, and each group's `params`).
+Lengths = tuple[str, Sized, str]
 
 # Where a module or optimizer that a graph reads was found, or an object on the way to it
 # from the function: its path, the holder that binds it (a dict: an object's `__dict__`, a
@@ -99,6 +108,15 @@ def optimizer_entries(
                 yield f"{path}.param_groups[{i}]['params'][{j}]", {0: p}, 0, p
 
 
+def optimizer_lengths(path: str, optimizer: torch.optim.Optimizer) -> Iterator[Lengths]:
+    """The lists of ``optimizer`` whose lengths its step bakes in: its ``param_groups``
+    (``add_param_group`` appends one) and each group's ``params``."""
+    yield f"{path}.param_groups", optimizer.param_groups, "a group added or removed"
+    for i, group in enumerate(optimizer.param_groups):
+        where = f"{path}.param_groups[{i}]['params']"
+        yield where, group["params"], "parameters added or removed"
+
+
 class _Cells:
     """Closure cells as one holder: ``CELLS[cell]`` is what the cell's variable holds now.
 
@@ -137,10 +155,20 @@ class State:
     added or removed changes what a ``Sequential`` runs); an optimizer's ``state`` and
     ``param_groups`` by identity; the ``bindings`` where the modules and optimizers were
     found, and those of the objects on the way to them, by identity (another object bound
-    there is another model or optimizer, whose state the graph never read).
+    there is another model or optimizer, whose state the graph never read). A graph captured
+    in grad mode (``requires_grad``) follows its tensors' ``requires_grad`` flags too, and a
+    training step the ``lengths`` of its optimizers' lists (see `optimizer_lengths`).
     """
 
-    def __init__(self, entries: list[Entry], *, identity: bool, bindings: Sequence[Binding] = ()):
+    def __init__(
+        self,
+        entries: list[Entry],
+        *,
+        identity: bool,
+        bindings: Sequence[Binding] = (),
+        requires_grad: bool = False,
+        lengths: Sequence[Lengths] = (),
+    ):
         unique: dict[tuple[int, Any], Entry] = {}
         for entry in entries:  # a tensor bound twice (shared weights) is followed once
             unique.setdefault((id(entry[1]), entry[2]), entry)
@@ -165,6 +193,18 @@ class State:
             children=[c[1] for c in self.children],
             modules=[value for c in self.children for value in c[2]],
         )
+        # (where, its flag at capture) of each tensor, for a graph captured in grad mode.
+        self.flags = [(e, e[3].requires_grad) for e in tensors] if requires_grad else []
+        self.lengths = [(*each, len(each[1])) for each in lengths]
+        if self.flags or self.lengths:
+            self.fresh = _and_same_flags(
+                self.fresh,
+                [e[1] for e, _ in self.flags],
+                [e[2] for e, _ in self.flags],
+                [flag for _, flag in self.flags],
+                [each[1] for each in self.lengths],
+                [each[3] for each in self.lengths],
+            )
 
     def changes(self) -> list[str]:
         """The paths of the state replaced since the capture (none while ``fresh()``)."""
@@ -180,6 +220,14 @@ class State:
         for where, children, before in self.children:
             if len(children) != len(before):
                 changed.append(f"{where} (submodules added or removed)")
+        if changed:  # the flags of replaced tensors are no news
+            return changed
+        for (path, holder, key, *_), flag in self.flags:
+            if holder[key].requires_grad is not flag:
+                changed.append(f"{path}.requires_grad (set to {not flag})")
+        for path, sized, what, length in self.lengths:
+            if len(sized) != length:
+                changed.append(f"{path} ({what})")
         return changed
 
     def recapture(self, name: str) -> None:
@@ -285,6 +333,28 @@ def _fresh_check(
     return fresh_and_same
 
 
+def _and_same_flags(
+    fresh: Callable[[], bool],
+    holders: list[Mapping[Any, Any]],
+    keys: list[Any],
+    flags: list[bool],
+    lists: list[Sized],
+    lengths: list[int],
+) -> Callable[[], bool]:
+    """``fresh``, and then the ``requires_grad`` flags of what ``holders`` hold at ``keys``
+    (tensors, each still there once ``fresh()`` holds) and the lengths of ``lists``, compared
+    in one list, mapped in C."""
+    expected = [*flags, *lengths]
+
+    def fresh_and_same_flags() -> bool:
+        return fresh() and [
+            *map(_requires_grad, map(getitem, holders, keys)),
+            *map(len, lists),
+        ] == expected
+
+    return fresh_and_same_flags
+
+
 def _always() -> bool:
     return True
 
@@ -295,6 +365,7 @@ _GONE = (LookupError, TypeError, ValueError, RuntimeError)
 is_ = operator.is_
 _chain = itertools.chain.from_iterable
 _values: Callable[[Any], Any] = dict.values  # the children dicts are `_modules` dicts
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 # The library's own sources: the package's root (this module's parent folder).
