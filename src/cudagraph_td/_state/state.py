@@ -157,7 +157,8 @@ class State:
     found, and those of the objects on the way to them, by identity (another object bound
     there is another model or optimizer, whose state the graph never read). A graph captured
     in grad mode (``requires_grad``) follows its tensors' ``requires_grad`` flags too, and a
-    training step the ``lengths`` of its optimizers' lists (see `optimizer_lengths`).
+    training step the ``lengths`` of its optimizers' lists (see `optimizer_lengths`): both
+    read from the capture's objects, which such a graph then follows by identity.
     """
 
     def __init__(
@@ -172,7 +173,8 @@ class State:
         unique: dict[tuple[int, Any], Entry] = {}
         for entry in entries:  # a tensor bound twice (shared weights) is followed once
             unique.setdefault((id(entry[1]), entry[2]), entry)
-        self.identity = identity
+        # Flags and lengths are read from the objects of the capture: those must still be there.
+        identity = self.identity = identity or requires_grad or bool(lengths)
         self.entries = [(*entry, _address(entry[3])) for entry in unique.values()]
         self.bindings = [*{_slot(b): b for b in bindings if _slot(b) not in unique}.values()]
         tensors = [e for e in self.entries if e[4] is not None]
@@ -182,6 +184,9 @@ class State:
         self.children = [
             (_parent(e[0]), e[1], [*e[1].values()]) for e in {id(e[1]): e for e in modules}.values()
         ]
+        # Each tensor with its `requires_grad` at capture, for a graph captured in grad mode.
+        self.flags = [(e, e[3].requires_grad) for e in tensors] if requires_grad else []
+        self.lengths = [(*each, len(each[1])) for each in lengths]
         followed: list[Any] = [*others, *self.bindings]  # by identity, whatever `identity`
         bound = tensors + followed
         self.fresh: Callable[[], bool] = _fresh_check(
@@ -192,19 +197,11 @@ class State:
             identity=identity,
             children=[c[1] for c in self.children],
             modules=[value for c in self.children for value in c[2]],
+            flagged=[e[3] for e, _ in self.flags],
+            flags=[flag for _, flag in self.flags],
+            lists=[each[1] for each in self.lengths],
+            lengths=[each[3] for each in self.lengths],
         )
-        # (where, its flag at capture) of each tensor, for a graph captured in grad mode.
-        self.flags = [(e, e[3].requires_grad) for e in tensors] if requires_grad else []
-        self.lengths = [(*each, len(each[1])) for each in lengths]
-        if self.flags or self.lengths:
-            self.fresh = _and_same_flags(
-                self.fresh,
-                [e[1] for e, _ in self.flags],
-                [e[2] for e, _ in self.flags],
-                [flag for _, flag in self.flags],
-                [each[1] for each in self.lengths],
-                [each[3] for each in self.lengths],
-            )
 
     def changes(self) -> list[str]:
         """The paths of the state replaced since the capture (none while ``fresh()``)."""
@@ -222,8 +219,8 @@ class State:
                 changed.append(f"{where} (submodules added or removed)")
         if changed:  # the flags of replaced tensors are no news
             return changed
-        for (path, holder, key, *_), flag in self.flags:
-            if holder[key].requires_grad is not flag:
+        for (path, _, _, tensor, _), flag in self.flags:
+            if tensor.requires_grad is not flag:
                 changed.append(f"{path}.requires_grad (set to {not flag})")
         for path, sized, what, length in self.lengths:
             if len(sized) != length:
@@ -263,6 +260,10 @@ def _fresh_check(
     identity: bool,
     children: list[Mapping[Any, Any]],
     modules: list[nn.Module],
+    flagged: list[torch.Tensor],
+    flags: list[bool],
+    lists: list[Sized],
+    lengths: list[int],
 ) -> Callable[[], bool]:
     """``State.fresh``: a closure over flat lists (no reference to the State, so no cycle).
 
@@ -271,7 +272,10 @@ def _fresh_check(
     are compared with ``addresses``, the ``objects`` followed by identity (all, for an
     ``identity`` graph, else those that are not tensors) with ``operator.is_``, and the
     ``children`` dicts' values with ``modules`` (by identity: `nn.Module` defines no ``==``).
-    A holder is a dict, or a list or `CELLS` for a binding (see `Binding`).
+    A holder is a dict, or a list or `CELLS` for a binding (see `Binding`). An ``identity``
+    graph compares, in the same list as the children, the ``requires_grad`` of the
+    ``flagged`` tensors with ``flags`` and the lengths of ``lists`` with ``lengths``: read
+    from the capture's objects, once their identities hold.
 
     Three forms, each the fastest for its case: addresses only, in one list with the
     children (an inference graph that follows no object by identity); addresses, then
@@ -282,12 +286,23 @@ def _fresh_check(
     more than the comparison it saves.)
     """
     count = len(addresses)
-    if not children:
-        modules_same: Callable[[], bool] = _always
+    assert identity or not (flags or lengths), "flags and lengths are read by identity"
+    rest = [*modules, *flags, *lengths]
+    if not rest:
+        rest_same: Callable[[], bool] = _always
+    elif not flags and not lengths:
+
+        def rest_same() -> bool:
+            return [*_chain(map(_values, children))] == modules
+
     else:
 
-        def modules_same() -> bool:
-            return [*_chain(map(_values, children))] == modules
+        def rest_same() -> bool:  # and the flags, and the lengths
+            return [
+                *_chain(map(_values, children)),
+                *map(_requires_grad, flagged),
+                *map(len, lists),
+            ] == rest
 
     if count == len(holders) and not identity:  # addresses only (and the children)
         expected = [*addresses, *modules]
@@ -312,7 +327,7 @@ def _fresh_check(
                 return (
                     [*map(_data_ptr, map(getitem, tensor_holders, tensor_keys))] == addresses
                     and all(map(is_, map(getitem, other_holders, other_keys), objects))
-                    and modules_same()
+                    and rest_same()
                 )
             except _GONE:
                 return False
@@ -325,34 +340,12 @@ def _fresh_check(
             return (
                 [*map(_data_ptr, held[:count])] == addresses
                 and all(map(is_, held, objects))
-                and modules_same()
+                and rest_same()
             )
         except _GONE:
             return False
 
     return fresh_and_same
-
-
-def _and_same_flags(
-    fresh: Callable[[], bool],
-    holders: list[Mapping[Any, Any]],
-    keys: list[Any],
-    flags: list[bool],
-    lists: list[Sized],
-    lengths: list[int],
-) -> Callable[[], bool]:
-    """``fresh``, and then the ``requires_grad`` flags of what ``holders`` hold at ``keys``
-    (tensors, each still there once ``fresh()`` holds) and the lengths of ``lists``, compared
-    in one list, mapped in C."""
-    expected = [*flags, *lengths]
-
-    def fresh_and_same_flags() -> bool:
-        return fresh() and [
-            *map(_requires_grad, map(getitem, holders, keys)),
-            *map(len, lists),
-        ] == expected
-
-    return fresh_and_same_flags
 
 
 def _always() -> bool:

@@ -22,7 +22,14 @@ import torch
 from .._compat import version
 from .._errors import state as _errors_state
 from .search import Search
-from .state import State, modules_entries, optimizer_entries, optimizer_lengths, rebound
+from .state import (
+    Lengths,
+    State,
+    modules_entries,
+    optimizer_entries,
+    optimizer_lengths,
+    rebound,
+)
 
 _grad = operator.attrgetter("grad")
 
@@ -133,7 +140,7 @@ class Observation:
         ]
         stepped = self._stepped() if self.touched else {}
         followed = {id(entry[3]) for entry in entries}
-        lengths = []
+        lengths: list[Lengths] = []
         for path, opt in stepped.items():
             entries += optimizer_entries(path, opt, followed)
             lengths += optimizer_lengths(path, opt)
