@@ -21,7 +21,7 @@ from .._compat import capturable_on_cpu, foreach_copy_, graph_replay
 from .._errors import inputs as _errors
 from .._errors import state as _errors_state
 from .._state import training as _training
-from .._state.state import State
+from .._state.state import Flags, State
 from .._values import tree as _tree
 from .._values.aliasing import WrittenInputs, versions, written
 from .._values.outputs import Outputs
@@ -121,7 +121,7 @@ def capture(
     mutated = written(inputs, before)
     if grad and _path_requiring_grad(result):
         # Autograd holds the parameters it differentiates: they are followed by identity too.
-        follow = functools.partial(observed.state, name, identity=True, requires_grad=True)
+        follow = functools.partial(observed.state, name, identity=True, flags="frozen")
         call = capture_differentiable(
             name, fn, signature, backend.for_autograd(), result, inputs, mutated, follow
         )
@@ -153,8 +153,9 @@ def capture(
     if watch is not None and backend.reruns_python:
         graph = _training.PinnedGrads(graph, watch)
     # A training step's optimizers hold its parameters: followed by identity too. In grad
-    # mode, the `requires_grad` flags decide what autograd computes: followed too.
-    state = observed.state(name, identity=watch is not None, requires_grad=grad)
+    # mode, `requires_grad` flags decide what the function computes: followed too.
+    flags: Flags | None = "step" if watch is not None else "frozen" if grad else None
+    state = observed.state(name, identity=watch is not None, flags=flags)
     return GraphCall(signature, graph, outputs, mutated, watch, state), result
 
 

@@ -12,10 +12,10 @@ piece was found and what it was at capture; its ``fresh()`` tells, before each r
 whether all of it is still there. When not, the graph is captured again, with a
 ``RecaptureWarning``.
 
-Host state that the capture baked in is followed the same way: the ``requires_grad`` flags of
-the tensors that a graph captured in grad mode reads (a layer frozen or unfrozen: autograd
-computes other gradients, an optimizer steps other parameters), and the number of parameter
-groups of a training step's optimizers, and of parameters in each (``add_param_group``).
+Host state that the capture baked in is followed the same way: the ``requires_grad`` flags
+that decide what a graph captured in grad mode computes (see `Flags`), and the number of
+parameter groups of a training step's optimizers, and of parameters in each
+(``add_param_group``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
-from typing import Any
+from typing import Any, Literal
 
 import tensordict
 import torch
@@ -45,6 +45,15 @@ Entry = tuple[str, Mapping[Any, Any], Any, Any]
 # A list whose length a graph bakes in: its path (for messages), the list, and what it says of
 # a change (an optimizer's `param_groups`, and each group's `params`).
 Lengths = tuple[str, Sized, str]
+
+# Whose `requires_grad` flags a graph follows, by what it does with them:
+# - "step", a training step: every parameter's, and any other tensor's that requires grad. A
+#   layer frozen gets no gradient, and no optimizer step, in eager mode; one unfrozen does.
+# - "frozen", any other graph captured in grad mode: the parameters that did not require grad
+#   at capture. One unfrozen needs gradients that the graph never computes. One frozen after
+#   the capture needs nothing: the graph's autograd node takes the parameters as inputs, and
+#   autograd drops the gradients of those that no longer require grad, as in eager mode.
+Flags = Literal["step", "frozen"]
 
 # Where a module or optimizer that a graph reads was found, or an object on the way to it
 # from the function: its path, the holder that binds it (a dict: an object's `__dict__`, a
@@ -156,9 +165,9 @@ class State:
     ``param_groups`` by identity; the ``bindings`` where the modules and optimizers were
     found, and those of the objects on the way to them, by identity (another object bound
     there is another model or optimizer, whose state the graph never read). A graph captured
-    in grad mode (``requires_grad``) follows its tensors' ``requires_grad`` flags too, and a
-    training step the ``lengths`` of its optimizers' lists (see `optimizer_lengths`): both
-    read from the capture's objects, which such a graph then follows by identity.
+    in grad mode follows ``requires_grad`` flags too (``flags``, see `Flags`), and a training
+    step the ``lengths`` of its optimizers' lists (see `optimizer_lengths`): both read from the
+    capture's objects, which such a graph then follows by identity.
     """
 
     def __init__(
@@ -167,14 +176,12 @@ class State:
         *,
         identity: bool,
         bindings: Sequence[Binding] = (),
-        requires_grad: bool = False,
+        flags: Flags | None = None,
         lengths: Sequence[Lengths] = (),
     ):
         unique: dict[tuple[int, Any], Entry] = {}
         for entry in entries:  # a tensor bound twice (shared weights) is followed once
             unique.setdefault((id(entry[1]), entry[2]), entry)
-        # Flags and lengths are read from the objects of the capture: those must still be there.
-        identity = self.identity = identity or requires_grad or bool(lengths)
         self.entries = [(*entry, _address(entry[3])) for entry in unique.values()]
         self.bindings = [*{_slot(b): b for b in bindings if _slot(b) not in unique}.values()]
         tensors = [e for e in self.entries if e[4] is not None]
@@ -184,9 +191,11 @@ class State:
         self.children = [
             (_parent(e[0]), e[1], [*e[1].values()]) for e in {id(e[1]): e for e in modules}.values()
         ]
-        # Each tensor with its `requires_grad` at capture, for a graph captured in grad mode.
-        self.flags = [(e, e[3].requires_grad) for e in tensors] if requires_grad else []
+        # Each tensor whose `requires_grad` is followed, with its flag at capture.
+        self.flags = [(e, e[3].requires_grad) for e in tensors if _flag_followed(e[3], flags)]
         self.lengths = [(*each, len(each[1])) for each in lengths]
+        # Flags and lengths are read from the objects of the capture: those must still be there.
+        identity = self.identity = identity or bool(self.flags or self.lengths)
         followed: list[Any] = [*others, *self.bindings]  # by identity, whatever `identity`
         bound = tensors + followed
         self.fresh: Callable[[], bool] = _fresh_check(
@@ -234,6 +243,14 @@ class State:
             RecaptureWarning,
             stacklevel=_caller_level(),
         )
+
+
+def _flag_followed(tensor: torch.Tensor, flags: Flags | None) -> bool:
+    """Whether a graph that follows ``flags`` (see `Flags`) follows ``tensor``'s."""
+    parameter = isinstance(tensor, nn.Parameter)
+    if flags == "step":
+        return parameter or tensor.requires_grad
+    return flags == "frozen" and parameter and not tensor.requires_grad
 
 
 def _slot(binding: Binding) -> tuple[int, Any]:

@@ -23,6 +23,7 @@ from .._compat import version
 from .._errors import state as _errors_state
 from .search import Search
 from .state import (
+    Flags,
     Lengths,
     State,
     modules_entries,
@@ -120,11 +121,11 @@ class Observation:
             if any(id(p) in touched for group in opt.param_groups for p in group["params"])
         }
 
-    def state(self, name: str, *, identity: bool, requires_grad: bool = False) -> State | None:
+    def state(self, name: str, *, identity: bool, flags: Flags | None = None) -> State | None:
         """The state that the captured graph reads (see `_state.state`), as the capture left it, or
         ``None`` if it reads none. A training step's includes its optimizers' and their
-        parameter groups; a graph captured in grad mode (``requires_grad``) follows its
-        tensors' ``requires_grad`` flags."""
+        parameter groups; a graph captured in grad mode follows ``requires_grad`` flags
+        (``flags``: see `_state.state.Flags`)."""
         own = rebound(self._bound)
         if own:  # the function rebinds module state at each call: a graph cannot follow
             warnings.warn(
@@ -162,7 +163,7 @@ class Observation:
             entries,
             identity=identity,
             bindings=bindings,
-            requires_grad=requires_grad,
+            flags=flags,
             lengths=lengths,
         )
 
