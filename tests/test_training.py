@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 import functools
+import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from cudagraph_td import RecaptureWarning
 from cudagraph_td._state.search import Search, find_state
 
 from .conftest import Backend
@@ -172,3 +176,170 @@ def test_two_steps_on_the_same_parameters_that_drop_their_gradients_alternate(
         torch.testing.assert_close(net.weight.grad, twin.weight.grad)
     for p, q in zip(net.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(p, q)
+
+
+# Host state that a captured step bakes in, changed after the capture: `requires_grad` flags
+# (a layer frozen or unfrozen) and the optimizer's parameter groups (`add_param_group`).
+
+
+def _mlp(backend: Backend) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1)).to(backend.device)
+
+
+def _adam(backend: Backend, params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=torch.tensor(1e-2, device=backend.device), capturable=True)
+
+
+def _training_step(
+    net: nn.Module, opt: torch.optim.Optimizer, set_to_none: bool
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=set_to_none)
+        loss = (net(x) - y).square().mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+def _assert_same_training(net: nn.Module, twin: nn.Module, opt: Any, twin_opt: Any) -> None:
+    """Parameters, their ``.grad`` (``None`` where eager's is) and optimizer state as eager's."""
+    for (name, p), q in zip(net.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q, msg=name)
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert len(opt.state) == len(twin_opt.state)
+    for state, twin_state in zip(opt.state.values(), twin_opt.state.values(), strict=True):
+        for key in state:
+            torch.testing.assert_close(state[key], twin_state[key])
+
+
+def _changed_after_three_calls(
+    backend: Backend,
+    net: nn.Module,
+    stepped: Callable[[nn.Module], Any],
+    change: Callable[[nn.Module, torch.optim.Optimizer], None],
+    named: str,
+    set_to_none: bool = True,
+) -> torch.optim.Optimizer:
+    """A captured step of ``net`` and its eager twin (a deep copy of ``net`` made before the
+    first call), each with an Adam of its own on the ``stepped(net)`` parameters, called on the
+    same inputs; ``change`` applied to both after three calls. Returns the step's optimizer.
+    (Not a deep copy of the optimizer: torch's `Optimizer.__getstate__` drops
+    the flag that keeps a capturable optimizer's eager steps from warning on CUDA.)"""
+    twin_net = copy.deepcopy(net)
+    opt, twin_opt = _adam(backend, stepped(net)), _adam(backend, stepped(twin_net))
+    graphed = backend.wrap(_training_step(net, opt, set_to_none), warmup=2)
+    twin = _training_step(twin_net, twin_opt, set_to_none)
+    for i in range(9):
+        x, y = backend.randn(16, 4), backend.randn(16, 1)
+        if i == 3:
+            change(net, opt)
+            change(twin_net, twin_opt)
+            with pytest.warns(RecaptureWarning, match=re.escape(named)):
+                loss = graphed(x, y)
+        else:
+            loss = graphed(x, y)
+        torch.testing.assert_close(loss, twin(x, y), msg=f"call {i}")
+        _assert_same_training(net, twin_net, opt, twin_opt)
+    assert graphed.is_captured
+    return opt
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zeroed"])
+def test_a_layer_frozen_after_the_capture_trains_as_in_eager(
+    backend: Backend, set_to_none: bool
+) -> None:
+    net = _mlp(backend)
+    frozen: dict[str, torch.Tensor] = {}
+
+    def freeze(model: nn.Module, _: Any) -> None:
+        model[0].requires_grad_(False)
+        frozen.setdefault("weight", model[0].weight.detach().clone())
+
+    _changed_after_three_calls(
+        backend,
+        net,
+        nn.Module.parameters,
+        freeze,
+        "`net[0].weight.requires_grad (set to False)`",
+        set_to_none,
+    )
+    if set_to_none:  # no gradient: Adam leaves the layer alone, as in eager mode
+        assert net[0].weight.grad is None
+        torch.testing.assert_close(net[0].weight, frozen["weight"], rtol=0, atol=0)
+
+
+def test_a_layer_unfrozen_after_the_capture_trains_from_then_on(backend: Backend) -> None:
+    net = _mlp(backend)
+    net[0].requires_grad_(False)
+    before = net[0].weight.detach().clone()
+
+    def unfreeze(model: nn.Module, _: Any) -> None:
+        model[0].requires_grad_(True)
+
+    _changed_after_three_calls(
+        backend, net, nn.Module.parameters, unfreeze, "`net[0].weight.requires_grad (set to True)`"
+    )
+    assert not torch.equal(net[0].weight, before)
+
+
+def test_a_parameter_group_added_after_the_capture_is_stepped(backend: Backend) -> None:
+    net = _mlp(backend)
+
+    def add_group(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.add_param_group({"params": list(model[0].parameters())})
+
+    opt = _changed_after_three_calls(
+        backend,
+        net,
+        lambda model: model[2].parameters(),
+        add_group,
+        "`opt.param_groups (a group added or removed)`",
+    )
+    assert all(p in opt.state for p in net[0].parameters())
+
+
+@pytest.mark.parametrize("layers", [[0], [0, 2]], ids=["one-layer", "all-layers"])
+def test_a_policy_called_in_grad_mode_follows_requires_grad(
+    backend: Backend, layers: list[int]
+) -> None:
+    # Layers frozen at the capture (every layer: a plain graph, not a differentiable one),
+    # unfrozen after three calls, frozen again after six. Unfrozen, they need gradients the
+    # graph never computed: a new capture. Frozen again, they need none: autograd drops
+    # their gradients, as in eager mode (any other RecaptureWarning is an error here).
+    net = _mlp(backend)
+    for layer in layers:
+        net[layer].requires_grad_(False)
+    twin = copy.deepcopy(net)
+    graphed = backend.wrap(net, warmup=2)
+    for i in range(10):
+        if i in (3, 6):
+            for model in (net, twin):
+                for layer in layers:
+                    model[layer].requires_grad_(i == 3)
+        x = backend.randn(8, 4)
+        for model in (net, twin):
+            model.zero_grad(set_to_none=True)
+        if i == 3:
+            with pytest.warns(RecaptureWarning, match=re.escape("`module[0].weight.requires_grad")):
+                out = graphed(x)
+        else:
+            out = graphed(x)
+        expected = twin(x)
+        torch.testing.assert_close(out, expected)
+        assert out.requires_grad == expected.requires_grad, f"call {i}"
+        if expected.requires_grad:
+            out.square().sum().backward()
+            expected.square().sum().backward()
+        for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), f"call {i}"
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad)
+        # No autograd graph of this call alive at the next: on CUDA, a recapture's warm-up
+        # (on the library's side stream) would reuse the parameters' AccumulateGrad nodes
+        # made on this stream, and torch warns of the mismatch at its backward.
+        del out, expected

@@ -24,7 +24,7 @@ from .._errors import inputs as _errors
 from .._errors import log as _log
 from .._errors import state as _errors_state
 from .._state import training as _training
-from .._state.state import State
+from .._state.state import Flags, State
 from .._values import tree as _tree
 from .._values.aliasing import WrittenInputs, versions, written
 from .._values.input_views import InputViews, ReturnedTensorDicts, tensordicts_before
@@ -157,7 +157,7 @@ def capture(
     views = InputViews.of(signature, form, inputs)
     if grad and _path_requiring_grad(result):
         # Autograd holds the parameters it differentiates: they are followed by identity too.
-        follow = functools.partial(observed.state, name, identity=True)
+        follow = functools.partial(observed.state, name, identity=True, flags="frozen")
         call = capture_differentiable(
             name, graphed, signature, backend.for_autograd(), form, inputs, mutated, follow, views
         )
@@ -188,8 +188,10 @@ def capture(
     watch = observed.watch(name)
     if watch is not None and backend.reruns_python:
         graph = _training.PinnedGrads(graph, watch)
-    # A training step's optimizers hold its parameters: followed by identity too.
-    state = observed.state(name, identity=watch is not None)
+    # A training step's optimizers hold its parameters: followed by identity too. In grad
+    # mode, `requires_grad` flags decide what the function computes: followed too.
+    flags: Flags | None = "step" if watch is not None else "frozen" if grad else None
+    state = observed.state(name, identity=watch is not None, flags=flags)
     return GraphCall(signature, graph, outputs, mutated, watch, state, views), result
 
 

@@ -11,6 +11,11 @@ to ``agent.net``, ``agent.opt``, a global or a closure variable). ``State`` hold
 piece was found and what it was at capture; its ``fresh()`` tells, before each replay,
 whether all of it is still there. When not, the graph is captured again, with a
 ``RecaptureWarning``.
+
+Host state that the capture baked in is followed the same way: the ``requires_grad`` flags
+that decide what a graph captured in grad mode computes (see `Flags`), and the number of
+parameter groups of a training step's optimizers, and of parameters in each
+(``add_param_group``).
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
+from typing import Any, Literal
 
 import tensordict
 import torch
@@ -36,6 +41,19 @@ from .._errors import state as _errors_state
 # or `__dict__`, an optimizer's `__dict__` (for its `state` and `param_groups`), or a dict of
 # its own for a tensor that nothing else binds (its address is still followed).
 Entry = tuple[str, Mapping[Any, Any], Any, Any]
+
+# A list whose length a graph bakes in: its path (for messages), the list, and what it says of
+# a change (an optimizer's `param_groups`, and each group's `params`).
+Lengths = tuple[str, Sized, str]
+
+# Whose `requires_grad` flags a graph follows, by what it does with them:
+# - "step", a training step: every parameter's, and any other tensor's that requires grad. A
+#   layer frozen gets no gradient, and no optimizer step, in eager mode; one unfrozen does.
+# - "frozen", any other graph captured in grad mode: the parameters that did not require grad
+#   at capture. One unfrozen needs gradients that the graph never computes. One frozen after
+#   the capture needs nothing: the graph's autograd node takes the parameters as inputs, and
+#   autograd drops the gradients of those that no longer require grad, as in eager mode.
+Flags = Literal["step", "frozen"]
 
 # Where a module or optimizer that a graph reads was found, or an object on the way to it
 # from the function: its path, the holder that binds it (a dict: an object's `__dict__`, a
@@ -99,6 +117,15 @@ def optimizer_entries(
                 yield f"{path}.param_groups[{i}]['params'][{j}]", {0: p}, 0, p
 
 
+def optimizer_lengths(path: str, optimizer: torch.optim.Optimizer) -> Iterator[Lengths]:
+    """The lists of ``optimizer`` whose lengths its step bakes in: its ``param_groups``
+    (``add_param_group`` appends one) and each group's ``params``."""
+    yield f"{path}.param_groups", optimizer.param_groups, "a group added or removed"
+    for i, group in enumerate(optimizer.param_groups):
+        where = f"{path}.param_groups[{i}]['params']"
+        yield where, group["params"], "parameters added or removed"
+
+
 class _Cells:
     """Closure cells as one holder: ``CELLS[cell]`` is what the cell's variable holds now.
 
@@ -137,14 +164,24 @@ class State:
     added or removed changes what a ``Sequential`` runs); an optimizer's ``state`` and
     ``param_groups`` by identity; the ``bindings`` where the modules and optimizers were
     found, and those of the objects on the way to them, by identity (another object bound
-    there is another model or optimizer, whose state the graph never read).
+    there is another model or optimizer, whose state the graph never read). A graph captured
+    in grad mode follows ``requires_grad`` flags too (``flags``, see `Flags`), and a training
+    step the ``lengths`` of its optimizers' lists (see `optimizer_lengths`): both read from the
+    capture's objects, which such a graph then follows by identity.
     """
 
-    def __init__(self, entries: list[Entry], *, identity: bool, bindings: Sequence[Binding] = ()):
+    def __init__(
+        self,
+        entries: list[Entry],
+        *,
+        identity: bool,
+        bindings: Sequence[Binding] = (),
+        flags: Flags | None = None,
+        lengths: Sequence[Lengths] = (),
+    ):
         unique: dict[tuple[int, Any], Entry] = {}
         for entry in entries:  # a tensor bound twice (shared weights) is followed once
             unique.setdefault((id(entry[1]), entry[2]), entry)
-        self.identity = identity
         self.entries = [(*entry, _address(entry[3])) for entry in unique.values()]
         self.bindings = [*{_slot(b): b for b in bindings if _slot(b) not in unique}.values()]
         tensors = [e for e in self.entries if e[4] is not None]
@@ -154,6 +191,11 @@ class State:
         self.children = [
             (_parent(e[0]), e[1], [*e[1].values()]) for e in {id(e[1]): e for e in modules}.values()
         ]
+        # Each tensor whose `requires_grad` is followed, with its flag at capture.
+        self.flags = [(e, e[3].requires_grad) for e in tensors if _flag_followed(e[3], flags)]
+        self.lengths = [(*each, len(each[1])) for each in lengths]
+        # Flags and lengths are read from the objects of the capture: those must still be there.
+        identity = self.identity = identity or bool(self.flags or self.lengths)
         followed: list[Any] = [*others, *self.bindings]  # by identity, whatever `identity`
         bound = tensors + followed
         self.fresh: Callable[[], bool] = _fresh_check(
@@ -164,6 +206,10 @@ class State:
             identity=identity,
             children=[c[1] for c in self.children],
             modules=[value for c in self.children for value in c[2]],
+            flagged=[e[3] for e, _ in self.flags],
+            flags=[flag for _, flag in self.flags],
+            lists=[each[1] for each in self.lengths],
+            lengths=[each[3] for each in self.lengths],
         )
 
     def changes(self) -> list[str]:
@@ -180,6 +226,14 @@ class State:
         for where, children, before in self.children:
             if len(children) != len(before):
                 changed.append(f"{where} (submodules added or removed)")
+        if changed:  # the flags of replaced tensors are no news
+            return changed
+        for (path, _, _, tensor, _), flag in self.flags:
+            if tensor.requires_grad is not flag:
+                changed.append(f"{path}.requires_grad (set to {not flag})")
+        for path, sized, what, length in self.lengths:
+            if len(sized) != length:
+                changed.append(f"{path} ({what})")
         return changed
 
     def recapture(self, name: str) -> str:
@@ -188,6 +242,14 @@ class State:
         message = _errors_state.recaptured(name, self.changes())
         warnings.warn(message, RecaptureWarning, stacklevel=_caller_level())
         return message
+
+
+def _flag_followed(tensor: torch.Tensor, flags: Flags | None) -> bool:
+    """Whether a graph that follows ``flags`` (see `Flags`) follows ``tensor``'s."""
+    parameter = isinstance(tensor, nn.Parameter)
+    if flags == "step":
+        return parameter or tensor.requires_grad
+    return flags == "frozen" and parameter and not tensor.requires_grad
 
 
 def _slot(binding: Binding) -> tuple[int, Any]:
@@ -214,6 +276,10 @@ def _fresh_check(
     identity: bool,
     children: list[Mapping[Any, Any]],
     modules: list[nn.Module],
+    flagged: list[torch.Tensor],
+    flags: list[bool],
+    lists: list[Sized],
+    lengths: list[int],
 ) -> Callable[[], bool]:
     """``State.fresh``: a closure over flat lists (no reference to the State, so no cycle).
 
@@ -222,7 +288,10 @@ def _fresh_check(
     are compared with ``addresses``, the ``objects`` followed by identity (all, for an
     ``identity`` graph, else those that are not tensors) with ``operator.is_``, and the
     ``children`` dicts' values with ``modules`` (by identity: `nn.Module` defines no ``==``).
-    A holder is a dict, or a list or `CELLS` for a binding (see `Binding`).
+    A holder is a dict, or a list or `CELLS` for a binding (see `Binding`). An ``identity``
+    graph compares, in the same list as the children, the ``requires_grad`` of the
+    ``flagged`` tensors with ``flags`` and the lengths of ``lists`` with ``lengths``: read
+    from the capture's objects, once their identities hold.
 
     Three forms, each the fastest for its case: addresses only, in one list with the
     children (an inference graph that follows no object by identity); addresses, then
@@ -233,12 +302,23 @@ def _fresh_check(
     more than the comparison it saves.)
     """
     count = len(addresses)
-    if not children:
-        modules_same: Callable[[], bool] = _always
+    assert identity or not (flags or lengths), "flags and lengths are read by identity"
+    rest = [*modules, *flags, *lengths]
+    if not rest:
+        rest_same: Callable[[], bool] = _always
+    elif not flags and not lengths:
+
+        def rest_same() -> bool:
+            return [*_chain(map(_values, children))] == modules
+
     else:
 
-        def modules_same() -> bool:
-            return [*_chain(map(_values, children))] == modules
+        def rest_same() -> bool:  # and the flags, and the lengths
+            return [
+                *_chain(map(_values, children)),
+                *map(_requires_grad, flagged),
+                *map(len, lists),
+            ] == rest
 
     if count == len(holders) and not identity:  # addresses only (and the children)
         expected = [*addresses, *modules]
@@ -263,7 +343,7 @@ def _fresh_check(
                 return (
                     [*map(_data_ptr, map(getitem, tensor_holders, tensor_keys))] == addresses
                     and all(map(is_, map(getitem, other_holders, other_keys), objects))
-                    and modules_same()
+                    and rest_same()
                 )
             except _GONE:
                 return False
@@ -276,7 +356,7 @@ def _fresh_check(
             return (
                 [*map(_data_ptr, held[:count])] == addresses
                 and all(map(is_, held, objects))
-                and modules_same()
+                and rest_same()
             )
         except _GONE:
             return False
@@ -294,6 +374,7 @@ _GONE = (LookupError, TypeError, ValueError, RuntimeError)
 is_ = operator.is_
 _chain = itertools.chain.from_iterable
 _values: Callable[[Any], Any] = dict.values  # the children dicts are `_modules` dicts
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 # The library's own sources: the package's root (this module's parent folder).

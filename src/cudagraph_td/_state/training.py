@@ -25,7 +25,15 @@ import torch
 from .._compat import foreach_zero_, version
 from .._errors import state as _errors_state
 from .search import Search
-from .state import State, modules_entries, optimizer_entries, rebound
+from .state import (
+    Flags,
+    Lengths,
+    State,
+    modules_entries,
+    optimizer_entries,
+    optimizer_lengths,
+    rebound,
+)
 
 _grad = operator.attrgetter("grad")
 
@@ -125,9 +133,11 @@ class Observation:
             if any(id(p) in touched for group in opt.param_groups for p in group["params"])
         }
 
-    def state(self, name: str, *, identity: bool) -> State | None:
+    def state(self, name: str, *, identity: bool, flags: Flags | None = None) -> State | None:
         """The state that the captured graph reads (see `_state.state`), as the capture left it, or
-        ``None`` if it reads none. A training step's includes its optimizers'."""
+        ``None`` if it reads none. A training step's includes its optimizers' and their
+        parameter groups; a graph captured in grad mode follows ``requires_grad`` flags
+        (``flags``: see `_state.state.Flags`)."""
         own = rebound(self._bound)
         if own:  # the function rebinds module state at each call: a graph cannot follow
             warnings.warn(
@@ -143,8 +153,10 @@ class Observation:
         ]
         stepped = self._stepped() if self.touched else {}
         followed = {id(entry[3]) for entry in entries}
+        lengths: list[Lengths] = []
         for path, opt in stepped.items():
             entries += optimizer_entries(path, opt, followed)
+            lengths += optimizer_lengths(path, opt)
         # Where the modules and the stepped optimizers were found, as before the call: a
         # binding that the call itself moved is no more the capture's than `own`'s tensors.
         bindings = self._search.bindings([*self.modules.values(), *stepped.values()])
@@ -159,7 +171,13 @@ class Observation:
         bindings = [b for b in bindings if id(b) not in gone]
         if not entries and not bindings:
             return None
-        return State(entries, identity=identity, bindings=bindings)
+        return State(
+            entries,
+            identity=identity,
+            bindings=bindings,
+            flags=flags,
+            lengths=lengths,
+        )
 
 
 @contextlib.contextmanager
