@@ -7,6 +7,7 @@ import functools
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -192,6 +193,95 @@ def run_python(*args: str) -> subprocess.CompletedProcess[str]:
     the first cuBLAS use of a process)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env)
+
+
+class EarlyRun:
+    """A command of its own process that a test reads the result of. A fresh Python importing
+    torch and tensordict takes seconds of CPU: a run marked ``background`` starts before its
+    test, one at a time, on the core that the tests leave free (on a two-core machine, the
+    suite takes about three quarters of the time); the others start when their test reads
+    them (a process of two ranks already keeps both cores busy)."""
+
+    def __init__(self, args: list[str], *, when: bool, background: bool, timeout: float):
+        self.args, self.when, self.background, self.timeout = args, when, background, timeout
+        self._process: subprocess.Popen[bytes] | None = None
+        self._files: tuple[Any, Any] | None = None
+
+    def start(self) -> None:
+        if self._process is None and self.when:
+            # Files, not pipes: a process that writes much would wait for its reader.
+            self._files = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # noqa: SIM115
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+            if self.background:  # beside the tests: one thread, or both spin for the cores
+                env["OMP_NUM_THREADS"] = "1"
+            out, err = self._files
+            self._process = subprocess.Popen(self.args, stdout=out, stderr=err, env=env)
+
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def result(self) -> subprocess.CompletedProcess[str]:
+        """Wait for the process (killed past its timeout: a hang fails the test)."""
+        assert self.when, "a test whose run cannot start here skips before reading it"
+        self.start()
+        assert self._process is not None and self._files is not None
+        try:
+            code = self._process.wait(self.timeout)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            code = self._process.wait()
+        texts = []
+        for f in self._files:
+            f.seek(0)
+            texts.append(f.read().decode(errors="replace"))
+            f.close()
+        self._files = ((), ())  # read once: the files are closed
+        return subprocess.CompletedProcess(self.args, code, *texts)
+
+
+# The early runs of the test modules, by name (``early``), which the tests marked
+# ``@pytest.mark.early(name)`` read; those of this session's tests that wait to start.
+EARLY: dict[str, EarlyRun] = {}
+_WAITING: list[EarlyRun] = []
+
+
+def early(
+    name: str, *args: str, when: bool = True, background: bool = True, timeout: float = 300
+) -> EarlyRun:
+    """Register ``python *args`` as the early run ``name`` (``when``: whether it can run
+    here, its tests skip otherwise; ``background``: whether it starts before its test)."""
+    run = EARLY[name] = EarlyRun(
+        [sys.executable, *args], when=when, background=background, timeout=timeout
+    )
+    return run
+
+
+def _start_next() -> None:
+    if not any(run.running() for run in EARLY.values()):
+        while _WAITING:
+            run = _WAITING.pop(0)
+            if run._process is None:
+                run.start()
+                return
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "early(name): the test reads the early run `name`")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker runs some of the tests it collects
+        return
+    for item in session.items:
+        for mark in item.iter_markers("early"):
+            run = EARLY[mark.args[0]]
+            if run.background and run.when and run not in _WAITING:
+                _WAITING.append(run)
+    _start_next()
+
+
+def pytest_runtest_logfinish() -> None:
+    _start_next()
 
 
 def record(name: str, **values: Any) -> None:

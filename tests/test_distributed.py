@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cudagraph_td import CudaGraphModule, capture_stream, make_graphed_callables
 
-from .conftest import HAS_CUDA, Backend
+from .conftest import HAS_CUDA, Backend, early
 
 
 @contextlib.contextmanager
@@ -161,26 +158,29 @@ def _track_eager_ddp(backend: Backend) -> None:
             torch.testing.assert_close(p, q)
 
 
+# Two processes (gloo and the emulation on CPU, NCCL and a GPU each with two GPUs).
+RANK_CASES = ["exact_same", "exact_differ", "buckets", "buckets_above"] + (
+    ["capture_fails"] if HAS_CUDA else []
+)
+TWO_RANKS = early(
+    "two ranks",
+    *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"),
+    *(str(Path(__file__).with_name("ddp_ranks.py")), *RANK_CASES),
+    when=not HAS_CUDA or torch.cuda.device_count() >= 2,
+    background=False,  # two ranks: both cores
+    timeout=300,  # a hang fails the test
+)
+
+
+@pytest.mark.early("two ranks")
 def test_two_ranks_agree_on_graphs_and_on_failed_captures() -> None:
-    # Two processes (gloo and the emulation on CPU, NCCL and a GPU each with two GPUs): the
-    # ranks replay the same graph with shapes=, raise the same error when they cannot, and
-    # a capture that fails on one rank fails on both (CUDA: the emulation runs the step's
-    # collectives at its capture, where a CUDA capture records them).
-    if HAS_CUDA and torch.cuda.device_count() < 2:
+    # The ranks replay the same graph with shapes=, raise the same error when they cannot,
+    # and a capture that fails on one rank fails on both (CUDA: the emulation runs the
+    # step's collectives at its capture, where a CUDA capture records them).
+    if not TWO_RANKS.when:
         pytest.skip("needs two GPUs (one process per GPU)")
-    cases = ["exact_same", "exact_differ", "buckets", "buckets_above"] + (
-        ["capture_fails"] if HAS_CUDA else []
-    )
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    script = str(Path(__file__).with_name("ddp_ranks.py"))
-    result = subprocess.run(
-        [sys.executable, *launcher, script, *cases],
-        capture_output=True,
-        text=True,
-        timeout=300,  # a hang fails the test
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
+    result = TWO_RANKS.result()
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     for rank in (0, 1):
-        for case in cases:
+        for case in RANK_CASES:
             assert f"rank {rank}: {case} ok" in result.stdout, result.stdout

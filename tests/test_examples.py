@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 import pathlib
 import subprocess
@@ -16,7 +17,7 @@ import torch
 
 from cudagraph_td import CudaGraphModule
 
-from .conftest import Backend
+from .conftest import Backend, early
 
 ROOT = pathlib.Path(__file__).parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
@@ -45,57 +46,114 @@ def _run(
     return result
 
 
+# The scripts that run in one process of their own (tests/one_process.py): the examples
+# (without torchrl's, which runs in CI's environment beside torchrl), then the developers'
+# benchmark tools, the ablation last (it stubs the emulation's replays).
+SCRIPTS: dict[str, tuple[pathlib.Path, tuple[str, ...]]] = {
+    **{p.stem: (p, ()) for p in EXAMPLES if not p.stem.startswith("torchrl")},
+    "run": (ROOT / "benchmarks" / "run.py", ("--repeats", "1", "--calls", "20")),
+    "overhead": (ROOT / "benchmarks" / "overhead.py", ("--emulate", "--calls", "32", "--rounds", "1")),
+    "leanrl": (
+        ROOT / "benchmarks" / "leanrl.py",
+        ("--emulate", "--steps", "20", "--skip", "4", "--ppo-iterations", "5", "--rounds", "1"),
+    ),
+    "ablate_checks": (ROOT / "benchmarks" / "ablate_checks.py", ("--emulate", "--all")),
+}  # fmt: skip
+
+
+SCRIPTS_RUN = early(
+    "scripts",
+    str(ROOT / "tests" / "one_process.py"),
+    json.dumps([(str(path), list(args)) for path, args in SCRIPTS.values()]),
+)
+
+
+@pytest.fixture(scope="module")
+def scripts() -> dict[str, dict[str, Any]]:
+    """Each script of SCRIPTS run as ``python script *args`` would, all in one process: its
+    exit code, standard output and error, by name."""
+    result = SCRIPTS_RUN.result()
+    assert result.returncode == 0, result.stderr
+    return dict(zip(SCRIPTS, json.loads(result.stdout), strict=True))
+
+
+def _out(scripts: dict[str, dict[str, Any]], name: str) -> str:
+    """The standard output of script ``name``, which succeeded."""
+    run = scripts[name]
+    assert run["returncode"] == 0, run["stderr"]
+    return str(run["stdout"])
+
+
+@pytest.mark.early("scripts")
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.stem)
-def test_example_runs(script: pathlib.Path) -> None:
+def test_example_runs(script: pathlib.Path, scripts: dict[str, dict[str, Any]]) -> None:
     if script.stem.startswith("torchrl"):
         pytest.importorskip("torchrl")  # CI's environment beside torchrl runs it
-    assert "eager" in _run(script).stdout
+        assert "eager" in _run(script).stdout
+        return
+    assert "eager" in _out(scripts, script.stem)
 
 
-def test_benchmark_runs_without_cuda_and_says_so() -> None:
+@pytest.mark.early("scripts")
+def test_benchmark_runs_without_cuda_and_says_so(scripts: dict[str, dict[str, Any]]) -> None:
     if torch.cuda.is_available():
         pytest.skip("on a GPU the benchmark takes minutes: run benchmarks/run.py itself")
-    result = _run(ROOT / "benchmarks" / "run.py", "--repeats", "1", "--calls", "20")
-    assert "CUDA graphs need CUDA" in result.stdout
-    assert "cudagraph_td" in result.stdout and "tensordict" in result.stdout
+    out = _out(scripts, "run")
+    assert "CUDA graphs need CUDA" in out
+    assert "cudagraph_td" in out and "tensordict" in out
 
 
-def test_the_overhead_breakdown_follows_the_librarys_replay_path() -> None:
+@pytest.mark.early("scripts")
+def test_the_overhead_breakdown_follows_the_librarys_replay_path(
+    scripts: dict[str, dict[str, Any]],
+) -> None:
     # A developer's tool (docs/benchmarks.md) that reads the library's internals: on the
     # emulation, each step it times is still found and runs, so that it follows them.
-    args = ("--emulate", "--calls", "32", "--rounds", "1")
-    out = _run(ROOT / "benchmarks" / "overhead.py", *args).stdout
+    out = _out(scripts, "overhead")
     for step in ("(a)", "(d)", "(e)", "the replay path", "state check", "fresh outputs"):
         assert step in out
     assert "cudagraph_td: forward, backward" in out
 
 
-def test_the_ablation_of_the_checks_follows_the_librarys_replay_path() -> None:
+@pytest.mark.early("scripts")
+def test_the_ablation_of_the_checks_follows_the_librarys_replay_path(
+    scripts: dict[str, dict[str, Any]],
+) -> None:
     # As the test above, for benchmarks/ablate_checks.py (docs/benchmarks.md cites it): its
-    # policy, --buckets and --after parts, in one process.
-    out = _run(ROOT / "benchmarks" / "ablate_checks.py", "--emulate", "--all").stdout
+    # policy, --buckets and --after parts.
+    out = _out(scripts, "ablate_checks")
     assert out.count("State.fresh alone") == 2  # the policy's and the buckets'
     assert "cycled: path alone" in out and "lookup + path" in out
     assert "after a grad-mode call" in out and "after an eager forward" in out
 
 
-def test_the_leanrl_benchmark_runs_the_corpus_loops() -> None:
+@pytest.mark.early("scripts")
+def test_the_leanrl_benchmark_runs_the_corpus_loops(scripts: dict[str, dict[str, Any]]) -> None:
     # benchmarks/leanrl.py times the corpus's LeanRL loops end to end (docs/benchmarks.md):
     # on the emulation, a few steps of each, so that it keeps up with the corpus harness.
-    args = ("--emulate", "--steps", "20", "--skip", "4", "--ppo-iterations", "5", "--rounds", "1")
-    out = _run(ROOT / "benchmarks" / "leanrl.py", *args).stdout
+    out = _out(scripts, "leanrl")
     for script in ("sac", "td3", "ppo"):
         assert f"{script}: environment steps per second" in out
     assert out.count("cudagraph_td ") == 3 and out.count("eager ") >= 3
 
 
+# On CPU: two gloo processes, the graphed variants on the emulation (what CI runs); on a
+# machine with two GPUs or more: two NCCL processes, a GPU each.
+DDP_EXAMPLE = early(
+    "ddp example",
+    *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"),
+    *(str(ROOT / "examples" / "ddp_update.py"), "--steps", "20"),
+    when=not torch.cuda.is_available() or torch.cuda.device_count() >= 2,
+    background=False,  # two ranks: both cores
+)
+
+
+@pytest.mark.early("ddp example")
 def test_ddp_example_runs_on_two_processes() -> None:
-    # On CPU: two gloo processes, the graphed variants on the emulation (what CI runs); on
-    # a machine with two GPUs or more: two NCCL processes, a GPU each.
-    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+    if not DDP_EXAMPLE.when:
         pytest.skip("needs two GPUs (one process per GPU); run as a script above on one")
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    result = _run(ROOT / "examples" / "ddp_update.py", "--steps", "20", launcher=launcher)
+    result = DDP_EXAMPLE.result()
+    assert result.returncode == 0, result.stderr
     assert "2 ranks, 20 updates: parameters equal across variants and ranks" in result.stdout
 
 

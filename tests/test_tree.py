@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from collections import namedtuple
 
@@ -13,7 +11,7 @@ from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, tensorc
 
 from cudagraph_td._values import tree as _tree
 
-from .conftest import Backend
+from .conftest import Backend, early
 
 Pair = namedtuple("Pair", "first second")
 
@@ -95,10 +93,11 @@ def test_tensordict_structure_is_part_of_the_treespec(change: str) -> None:
     assert _tree.flatten(td)[1] == _tree.flatten(td.clone())[1]
 
 
-def test_torch_global_pytree_registry_is_untouched() -> None:
-    # In a fresh interpreter: what torch's registry holds before cudagraph_td is imported
-    # must be exactly what it holds after it flattened every kind of tree it supports.
-    script = textwrap.dedent(
+# Each in a fresh interpreter, as the registries are the process's.
+REGISTRY_RUN = early(
+    "registry",
+    "-c",
+    textwrap.dedent(
         """
         import torch, tensordict, optree
         import torch.utils._pytree as pytree
@@ -116,20 +115,12 @@ def test_torch_global_pytree_registry_is_untouched() -> None:
         assert optree.register_pytree_node.get(namespace="") == before_optree, "optree's global namespace changed"
         print("untouched")
         """
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, check=False
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "untouched"
-
-
-def test_a_lazy_stack_in_the_first_call_of_a_process() -> None:
-    # Types are registered at first sight. A lazy stack met before any TensorDict shows
-    # TensorDicts once registered: they are registered too (their entries were taken for
-    # constants, and a wrapper's first call with a lazy stack refused). A fresh interpreter,
-    # as the registry is the process's.
-    script = textwrap.dedent(
+    ),
+)
+LAZY_FIRST_RUN = early(
+    "lazy first",
+    "-c",
+    textwrap.dedent(
         """
         import torch
         from tensordict import LazyStackedTensorDict, TensorDict
@@ -146,10 +137,26 @@ def test_a_lazy_stack_in_the_first_call_of_a_process() -> None:
         for _ in range(3):
             print(graphed(lazy())["y"].tolist())
         """
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, check=False
-    )
+    ),
+)
+
+
+@pytest.mark.early("registry")
+def test_torch_global_pytree_registry_is_untouched() -> None:
+    # In a fresh interpreter: what torch's registry holds before cudagraph_td is imported
+    # must be exactly what it holds after it flattened every kind of tree it supports.
+    result = REGISTRY_RUN.result()
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "untouched"
+
+
+@pytest.mark.early("lazy first")
+def test_a_lazy_stack_in_the_first_call_of_a_process() -> None:
+    # Types are registered at first sight. A lazy stack met before any TensorDict shows
+    # TensorDicts once registered: they are registered too (their entries were taken for
+    # constants, and a wrapper's first call with a lazy stack refused). A fresh interpreter,
+    # as the registry is the process's.
+    result = LAZY_FIRST_RUN.result()
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
         "['args[0][0][\"x\"]', 'args[0][1][\"x\"]']",
