@@ -88,6 +88,41 @@ def test_no_import_cycle() -> None:
     assert cycles == []
 
 
+# The subpackages from the top down: each imports only those below it (the call path, the
+# graphs of several shapes, capture and backends, what a graph holds and reads, messages and
+# private upstream APIs); those of one rank import none of each other. The package's own
+# `__init__.py` may import any.
+LAYERS = [
+    {"_call"},
+    {"_shapes"},
+    {"_capture"},
+    {"_emulation", "_state", "_values"},
+    {"_errors", "_compat"},
+]
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[0]
+    return next(i for i, layer in enumerate(LAYERS) if top in layer)
+
+
+def test_the_layers_cover_the_package() -> None:
+    assert set().union(*LAYERS) == SUBPACKAGES | {"_compat"}
+
+
+def test_subpackages_import_only_those_below_them() -> None:
+    # A subpackage is a unit: a module may import its own subpackage's modules (without a
+    # cycle, above) and those of a subpackage below its own, never one above or beside it.
+    upward = sorted(
+        f"{module} imports {imported} ({imported.split('.')[0]} is not below {module.split('.')[0]})"
+        for module, imports in _graph().items()
+        if module not in ("", "_version")
+        for imported in imports
+        if imported.split(".")[0] != module.split(".")[0] and _layer(imported) <= _layer(module)
+    )
+    assert upward == []
+
+
 def test_the_top_level_holds_the_subpackages() -> None:
     # The layout shows the architecture: a new module goes into the subpackage of its
     # concern (docs/architecture.md), not beside them.
