@@ -1,8 +1,8 @@
 """CUDA graphs made easy and safe for PyTorch and TensorDict users."""
 
+from ._call.graphed_callables import make_graphed_callables as make_graphed_callables
 from ._call.module import CudaGraphModule as CudaGraphModule
 from ._call.verify import VerificationError as VerificationError
-from ._capture.graphed_callables import make_graphed_callables as make_graphed_callables
 from ._capture.sharing import capture_stream as capture_stream
 from ._compat import capturable_on_cpu as capturable_on_cpu
 from ._errors.inputs import InputKeyError as InputKeyError

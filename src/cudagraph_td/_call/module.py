@@ -22,15 +22,16 @@ from .._errors import shapes as _errors_shapes
 from .._shapes import graphs as _shapes
 from .._shapes import options as _shape_options
 from .._shapes.buckets import BucketGraphs
-from .._shapes.graphs import GraphList, Overflow
+from .._shapes.graphs import GraphList, Overflow, Served
 from .._shapes.options import Buckets, Exact, Static
 from . import copying as _copying
 from . import modes as _modes
+from . import replay as _replay
 from . import static as _static
 from . import tdmodule as _tdmodule
 from . import verify as _verify
 from .modes import Mode
-from .replay import MISS
+from .replay import MISS, ReplayPath
 from .table import GraphTable
 
 if TYPE_CHECKING:
@@ -195,7 +196,8 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         self._shape_value, options = _shape_options.resolve(name, shapes, deprecated)
         if backend == "cuda" and not torch.cuda.is_available():
             raise _errors.no_cuda(name)
-        mode, self._shapes = _distributed.checked(name, module, warmup, capture_error_mode, options)
+        mode, agreement = _distributed.checked(name, module, warmup, capture_error_mode)
+        self._shapes = options if agreement is None else options._replace(agreement=agreement)
         # The options as given, which a copy is made with (see `_call.copying`); the module's
         # own keys are left for the copy's module to give.
         self._options: dict[str, Any] = {
@@ -300,10 +302,21 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         if verifier is not None and served is not None and verifier.wants((key, served[0])):
             with _graph.capture_turn(self._lock):  # the function runs only under it
                 verifier.check(copies, args, kwargs, out, graphs, (key, served[0]))
-        path = graphs.learn()  # the replay path, for calls like this one
-        if path is not None:
+        answered = graphs.learn()  # the graph that answered: its replay path, for calls like this
+        if answered is not None:
+            path: ReplayPath | None = answered.path
+            if path is None:  # made once per captured call, which the graphs keep
+                path = self._replay_path(answered)
+                graphs.keep(answered, path)
             self._table.learn(table_key, path)
         return out
+
+    def _replay_path(self, answered: Served) -> ReplayPath:
+        """The replay path of the graph that answered a call: its routes, from the TensorDict
+        layer's readers and writers for a TensorDict module, else the fastest for the call."""
+        captured, layer = answered.captured, self._layer
+        routes = layer.routes(captured) if layer is not None else _replay.default_routes(captured)
+        return _replay.replay_path(captured, routes, answered.source, answered.runner)
 
     def _select(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], mode: Mode | None = None
@@ -328,7 +341,6 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
                 self._name,
                 self._shapes,
                 self._new_runner,
-                self._layer,
                 self._verifier,
                 key,
                 self._fn,

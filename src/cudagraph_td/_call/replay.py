@@ -23,8 +23,8 @@ lists of one element and the calls that cost as much as the steps themselves (a 
 costs 0.1-0.3 us on the hosts measured, against a floor of 15-30 us per call).
 
 Every reader answers ``None`` for a call it cannot read, and a failed check is the same
-*miss*: the replay returns ``MISS``, and the caller takes its slow path (``call``,
-or the TensorDict layer's full call), which checks the call in full and raises the error that
+*miss*: the replay returns ``MISS``, and the caller takes its slow path (the captured call's
+checked replay, `_capture.captured.call`, or the TensorDict layer's full call), which checks the call in full and raises the error that
 names the leaf. Only the slow path explains.
 """
 
@@ -36,48 +36,18 @@ from typing import Any, Protocol
 import torch
 from tensordict import TensorDict
 
+from .._capture.captured import Args, Captured, Kwargs
 from .._compat import foreach_copy_, td_entries, td_has_names, td_set
-from .._state.state import State
 from .._values import tree as _tree
-from .._values.input_views import InputViews, into_callers, is_written_input
+from .._values.input_views import into_callers, is_written_input
 from .._values.outputs import Outputs
 from .._values.signature import Signature, metadata
-
-Args = tuple[Any, ...]
-Kwargs = dict[str, Any]
 
 MISS: Any = object()
 """What a replay function returns for a call it leaves to the slow path."""
 
 TENSORDICT_OUT = "tensordict_out"
 """The keyword of a TensorDict module's call that names where its outputs go."""
-
-# A plain graph with one tensor in and one out and nothing else to do: its static input
-# list, static output and replay, which the replay path launches itself, without a call.
-Bare = tuple[list[torch.Tensor], torch.Tensor, Callable[[], None]]
-
-
-class Captured(Protocol):
-    """A captured call, built complete at capture: what every replay path needs of it."""
-
-    signature: Signature  # the inputs: static buffers, the full check and its errors
-    outputs: Outputs  # the outputs: their structure, and the static tensors
-    state: State | None  # the parameters, buffers, optimizers it reads (see `_state.state`)
-    training_step: bool  # whether it updates parameters (a step cannot be verified)
-    bare: Bare | None
-    input_views: InputViews | None  # outputs that are inputs or views of them, if any
-
-    def launch(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
-        """Replay on checked input tensors; return the output tensors in fresh memory."""
-        ...
-
-
-def call(captured: Captured, args: Args, kwargs: Kwargs) -> Any:
-    """The slow path: the full check (which raises the error naming the leaf), then a replay."""
-    tensors = captured.signature.match(args, kwargs)
-    # A TensorDict argument returned: the caller's, its written entries set (see `IntoCallers`).
-    return into_callers(args, kwargs, captured.outputs.rebuild(captured.launch(tensors)))
-
 
 # Readers ---------------------------------------------------------------------------------
 

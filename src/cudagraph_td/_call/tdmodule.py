@@ -21,10 +21,10 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, unrave
 from tensordict.base import is_tensor_collection
 from tensordict.nn import dispatch
 
+from .._capture.captured import Captured
 from .._errors import inputs as _errors
 from .._values import tree as _tree
 from .replay import (
-    Captured,
     IntoTensorDict,
     Keywords,
     OutKeyValues,

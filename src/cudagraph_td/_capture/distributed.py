@@ -36,19 +36,16 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .._shapes.graphs import ShapeOptions
 from .._state.search import find_state
 
 DDP_WARMUP = 12
 """The least ``warmup`` for a step that calls a DDP module: 11 eager iterations, a capture."""
 
 
-def checked(
-    name: str, fn: Any, warmup: int, mode: str, options: ShapeOptions
-) -> tuple[str, ShapeOptions]:
+def checked(name: str, fn: Any, warmup: int, mode: str) -> tuple[str, Agreement | None]:
     """The capture error mode for ``fn``: ``mode``, or ``"thread_local"`` for a function
-    that calls a DDP module (see above), after checking what else that needs; and the shape
-    options, with the ranks' ``Agreement`` for such a function."""
+    that calls a DDP module (see above), after checking what else that needs; and, for such
+    a function, the ranks' ``Agreement``, which its shape options carry (else None)."""
     if isinstance(fn, DistributedDataParallel):
         raise TypeError(
             f"{name} cannot replay a DistributedDataParallel module's forward: DDP's "
@@ -60,7 +57,7 @@ def checked(
     modules = find_state(fn)[1]
     ddps = {path: m for path, m in modules.items() if isinstance(m, DistributedDataParallel)}
     if not ddps:
-        return mode, options
+        return mode, None
     path, ddp = next(iter(ddps.items()))
     if warmup < DDP_WARMUP:
         raise ValueError(
@@ -70,7 +67,7 @@ def checked(
             f"before it. Pass `warmup={DDP_WARMUP}` or more."
         )
     mode = "thread_local" if mode == "global" else mode
-    return mode, options._replace(agreement=Agreement(name, ddp.process_group))
+    return mode, Agreement(name, ddp.process_group)
 
 
 class Agreement:

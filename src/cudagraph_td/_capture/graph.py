@@ -3,7 +3,7 @@
 ``GraphRunner`` runs a function through the stages of one graph. ``capture`` records
 the call that ends the warm-up: a plain graph (``GraphCall``) or, when the result needs
 gradients, a forward and a backward graph inside an autograd node (see `_capture.autograd`). Either
-is a complete captured call (`_call.replay.Captured`) that the replay path launches.
+is a complete captured call (`_capture.captured.Captured`) that the replay path launches.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from .._call import replay as _replay
 from .._compat import capturable_on_cpu, foreach_copy_, graph_replay
 from .._errors import inputs as _errors
 from .._errors import log as _log
@@ -30,6 +29,7 @@ from .._values.aliasing import WrittenInputs, versions, written
 from .._values.input_views import InputViews, ReturnedTensorDicts, tensordicts_before
 from .._values.outputs import FreshCopies, Outputs
 from .._values.signature import Signature, validate
+from . import captured as _captured
 from .autograd import DifferentiableCall, capture_differentiable
 from .backend import Backend, Graph
 
@@ -120,7 +120,7 @@ def capture(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     backend: Backend,
-) -> tuple[_replay.Captured, Any]:
+) -> tuple[_captured.Captured, Any]:
     """Capture ``fn(*args, **kwargs)``; return the captured call and this call's result.
 
     The call runs ``fn`` eagerly once, on the caller's inputs, for its result and its
@@ -238,7 +238,7 @@ class GraphRunner:
 
     ``runner.run(args, kwargs)`` calls ``fn(*args, **kwargs)`` as the current stage requires:
     calls ``1 … warmup-1`` run it eagerly through the backend, call ``warmup`` captures it,
-    later calls replay the graph through the slow path (`_call.replay.call`); the owner's fast
+    later calls replay the graph through the slow path (`_capture.captured.call`); the owner's fast
     path is built from ``captured``. ``make_backend(args, kwargs)`` makes the backend on the
     first call, from its inputs; ``None`` means no graph at all: every call runs ``fn``.
     The runner holds no reference to the wrapper that owns it, so that dropping the wrapper
@@ -260,7 +260,7 @@ class GraphRunner:
         self.make_backend = make_backend
         self.backend: Backend | None = None
         self.counter = 0
-        self.captured: _replay.Captured | None = None
+        self.captured: _captured.Captured | None = None
         self.label = name  # what log records call its graph (set by its `Graphs`)
 
     def skip_warmup(self) -> None:
@@ -271,7 +271,7 @@ class GraphRunner:
         if self.captured is not None:
             state = self.captured.state
             if state is None or state.fresh():
-                return _replay.call(self.captured, args, kwargs)
+                return _captured.call(self.captured, args, kwargs)
             # State the graph reads was replaced: a new capture, from the warm-up (a
             # RecaptureWarning turned into an error refuses it, and the graph stays as it was).
             _log.recapturing(self.label, state.recapture(self.name))

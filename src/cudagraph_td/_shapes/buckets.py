@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .._call import replay as _replay
-from .._call.replay import Captured
+from .._capture import captured as _captured
+from .._capture.captured import Captured
 from .._capture.graph import GraphCall, GraphRunner, capture_turn
 from .._errors import shapes as _errors_shapes
 from .._values.outputs import Outputs
@@ -51,7 +51,7 @@ class BucketGraphs(Graphs):
             view = self._rows(size, runner.captured, batch, args, kwargs)
             state = runner.captured.state
             if view is not None and (state is None or state.fresh()):
-                out = _replay.call(view, args, kwargs)
+                out = _captured.call(view, args, kwargs)
                 self._replayed(size, view, _numel(batch), _numel(size))
                 return out
         if runner is None:

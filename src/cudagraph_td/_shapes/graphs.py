@@ -15,12 +15,11 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from .._call import replay as _replay
-from .._call.replay import Captured, ReplayPath
+from .._capture.captured import Captured
 from .._capture.graph import GraphRunner, capture_turn
 from .._errors import log as _log
 from .._errors import shapes as _errors_shapes
@@ -67,12 +66,35 @@ class GraphList(list[GraphInfo]):
         self.eager_calls = eager_calls
 
 
+class Path(Protocol):
+    """A replay path (`_call.replay.ReplayPath`), as the graphs count its replays."""
+
+    hits: int  # the calls it answered
+
+    def alive(self) -> bool:
+        """Whether the graph it replays is still its runner's."""
+        ...
+
+
+class Served(NamedTuple):
+    """The graph that answered the last call by a replay (see `Graphs.learn`): its key, the
+    captured call that answered (a bucket's rows are calls of their own), the runner's graph
+    it replays (``source``, which ``captured`` is or views), the runner, the rows of the call
+    and of its graph, and its replay path if the wrapper made one already (see `Graphs.keep`)."""
+
+    key: Hashable
+    captured: Captured
+    source: Captured
+    runner: GraphRunner
+    rows: int
+    padded_rows: int
+    path: Any  # the wrapper's replay path (a `Path`), or None
+
+
 class Graphs:
     """The graphs of one mode of a wrapper, chosen by the shapes of each call.
 
-    ``new_runner()`` makes the runner of a new graph; ``route(captured)`` gives the replay
-    path of a captured call (its readers and writers come from the wrapper);
-    ``settled(key)`` says whether the graph of ``key`` may take the replay path (not while
+    ``new_runner()`` makes the runner of a new graph; ``settled(key)`` says whether the graph of ``key`` may take the replay path (not while
     ``verify=`` still checks its replays); ``fn`` is the function, for the calls that no
     graph answers; ``label`` names the mode's graphs in log records (see `_errors.log`).
     """
@@ -82,7 +104,6 @@ class Graphs:
         name: str,
         options: ShapeOptions,
         new_runner: Callable[[], GraphRunner],
-        route: Callable[[Captured, GraphRunner, Captured], ReplayPath],
         settled: Callable[[Hashable], bool],
         fn: Callable[..., Any],
         lock: Any,
@@ -98,15 +119,14 @@ class Graphs:
         self.replayed: tuple[Hashable, Captured] | None = None
         self.precapturing = False
         self._new_runner = new_runner
-        self._route = route
         self._settled = settled
         self._lock = lock
         self._served: tuple[Hashable, Captured, int, int] | None = None  # see `learn`
         # Replays counted on the slow path, and per replay path: (key, rows, padded, count).
-        self._counts: list[tuple[Hashable, int, int, Tally | ReplayPath]] = []
+        self._counts: list[tuple[Hashable, int, int, Tally | Path]] = []
         self._slow: dict[tuple[Hashable, int, int], Tally] = {}
         # The replay path of each captured call (a bucket's rows are calls of their own).
-        self._paths: dict[int, tuple[ReplayPath, Captured]] = {}
+        self._paths: dict[int, tuple[Path, Captured]] = {}
         self._views: dict[Hashable, tuple[Captured, Captured]] = {}
         self.overflow = Overflow(options, self.label)
 
@@ -221,9 +241,10 @@ class Graphs:
 
     # The replay path -----------------------------------------------------------------------
 
-    def learn(self) -> ReplayPath | None:
-        """The replay path of the graph that answered the last call by a replay, for the
-        wrapper's graph table to give calls like it (see `_call.table`); None if none did, or
+    def learn(self) -> Served | None:
+        """The graph that answered the last call by a replay, whose replay path the wrapper's
+        graph table gives calls like it (see `_call.table`), with that path if the wrapper
+        made it already (else it makes it and gives it to `keep`); None if no graph did, or
         while its replays take the slow path (verify=, a DDP step's agreement)."""
         served = self._served
         if served is None or self.options.agreement is not None:  # each call agrees first
@@ -232,13 +253,17 @@ class Graphs:
         if not self._settled(key):
             return None
         known = self._paths.get(id(captured))
-        if known is None or known[1] is not captured:
-            self._forget_replaced()
-            runner = self.runners[key]
-            path = self._route(captured, runner, runner.captured or captured)
-            self._counts.append((key, rows, padded_rows, path))
-            known = self._paths[id(captured)] = (path, captured)
-        return known[0]
+        path = known[0] if known is not None and known[1] is captured else None
+        runner = self.runners[key]
+        source = runner.captured or captured
+        return Served(key, captured, source, runner, rows, padded_rows, path)
+
+    def keep(self, served: Served, path: Path) -> None:
+        """Keep ``path``, the new replay path of ``served``, for the next calls it answers on
+        the slow path (`learn`), and count its replays in ``graphs()``."""
+        self._forget_replaced()
+        self._counts.append((served.key, served.rows, served.padded_rows, path))
+        self._paths[id(served.captured)] = (path, served.captured)
 
     def _forget_replaced(self) -> None:
         """Drop the replay paths and views of graphs captured again since (a replaced
@@ -249,7 +274,7 @@ class Graphs:
         self._paths = {k: v for k, v in self._paths.items() if k in live}
         # Their counts stay, without them.
         for i, (key, rows, padded, count) in enumerate(self._counts):
-            if isinstance(count, ReplayPath) and not count.alive():
+            if not isinstance(count, Tally) and not count.alive():
                 self._counts[i] = (key, rows, padded, Tally(count.hits))
 
     # Introspection -------------------------------------------------------------------------
@@ -302,7 +327,6 @@ def make_graphs(
     name: str,
     options: ShapeOptions,
     new_runner: Callable[[], GraphRunner],
-    layer: Any,
     verifier: Any,
     mode: Hashable,
     fn: Callable[..., Any],
@@ -312,9 +336,8 @@ def make_graphs(
     """The graphs of one mode (and device) of a wrapper, ``mode`` its key there. Nothing in
     them refers to the wrapper, so that dropping it frees them at once, without the garbage
     collector. ``cls``: `Graphs`, or its subclass for ``shapes="buckets"``."""
-    route = functools.partial(_route, layer)
     settled = functools.partial(_settled, verifier, mode)
-    return cls(name, options, new_runner, route, settled, fn, lock, label)
+    return cls(name, options, new_runner, settled, fn, lock, label)
 
 
 def _settled(verifier: Any, mode: Hashable, key: Hashable) -> bool:
@@ -322,16 +345,8 @@ def _settled(verifier: Any, mode: Hashable, key: Hashable) -> bool:
     return verifier is None or not verifier.wants((mode, key))
 
 
-def _route(layer: Any, captured: Captured, runner: GraphRunner, source: Captured) -> ReplayPath:
-    """The replay path of a captured call (``source``: the runner's graph it replays, which
-    ``captured`` is or views): its routes, from the TensorDict layer's readers and writers
-    for a TensorDict module, else the fastest for the call."""
-    routes = layer.routes(captured) if layer is not None else _replay.default_routes(captured)
-    return _replay.replay_path(captured, routes, source, runner)
-
-
 class Tally:
-    """The replays of one graph counted on the slow path (a `ReplayPath` counts its own)."""
+    """The replays of one graph counted on the slow path (a replay path counts its own)."""
 
     def __init__(self, hits: int = 0):
         self.hits = hits

@@ -7,16 +7,16 @@ from typing import Any, Literal
 
 import torch
 
-from .._call import replay as _replay
-from .._call.replay import MISS
+from .._capture.autograd import Capture, DifferentiableCall
+from .._capture.backend import check_options, make_backend
 from .._compat import module_hooks
 from .._errors import graphed as _errors_graphed
 from .._errors import inputs as _errors
 from .._errors import state as _errors_state
 from .._state.search import modules_state
 from .._values.signature import Signature
-from .autograd import Capture, DifferentiableCall
-from .backend import check_options, make_backend
+from . import replay as _replay
+from .replay import MISS
 
 
 def make_graphed_callables(
