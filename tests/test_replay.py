@@ -20,7 +20,8 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 
 from cudagraph_td import InputMismatchError
-from cudagraph_td._call import replay as _replay
+from cudagraph_td._capture.entry import MISS
+from cudagraph_td._values import routes as _routes
 from cudagraph_td._capture.autograd import DifferentiableCall
 from cudagraph_td._values.signature import Signature
 
@@ -90,28 +91,28 @@ def _module_keywords(backend: Backend) -> tuple[Any, Callable[[torch.Tensor], Ca
 
 ROUTES = {
     "positional-tree": Route(
-        _replay.Positional, _replay.OneTensor, "args[0]", _positional, ValueError
+        _routes.Positional, _routes.OneTensor, "args[0]", _positional, ValueError
     ),
     "keywords-tree": Route(
-        _replay.Keywords, _replay.OneTensor, 'kwargs["x"]', _keywords, ValueError
+        _routes.Keywords, _routes.OneTensor, 'kwargs["x"]', _keywords, ValueError
     ),
     "batch-tree": Route(
-        _replay.TensorDictEntries, _replay.Tree, 'args[0]["obs"]', _batch, KeyError
+        _routes.TensorDictEntries, _routes.Tree, 'args[0]["obs"]', _batch, KeyError
     ),
     "flattening-tree": Route(
-        _replay.Flattening, _replay.OneTensor, "args[0]", _flattening, ValueError
+        _routes.Flattening, _routes.OneTensor, "args[0]", _flattening, ValueError
     ),
     "tensordict-into-caller": Route(
-        _replay.TensorDictEntries,
-        _replay.IntoTensorDict,
+        _routes.TensorDictEntries,
+        _routes.IntoTensorDict,
         'args[0]["observation"]',
         _module_td,
         KeyError,
         extra_is_error=False,
     ),
     "keywords-out-keys": Route(
-        _replay.Keywords,
-        _replay.OutKeyValues,
+        _routes.Keywords,
+        _routes.OutKeyValues,
         'kwargs["observation"]',  # the keyword as the call passed it
         _module_keywords,
         KeyError,
@@ -198,7 +199,7 @@ def test_every_route_replays_good_calls_and_leaves_mismatches_to_the_slow_path(
             eager_args, eager_kwargs = make(x.clone())
             expected = fn(*eager_args, **eager_kwargs)
         torch.testing.assert_close(_action(result), _action(expected))
-        if route.writer is _replay.IntoTensorDict:
+        if route.writer is _routes.IntoTensorDict:
             assert result is args[0]  # the caller's TensorDict, with the outputs written
         # In grad mode, the result comes out of the autograd node, with its backward.
         assert _first_tensor(result).requires_grad == grad
@@ -211,9 +212,8 @@ def test_every_route_replays_good_calls_and_leaves_mismatches_to_the_slow_path(
         assert runner is not None and runner.captured is not None
         assert (type(runner.captured) is DifferentiableCall) == grad
         # The reader and the writer of this call kind are among the graph's routes.
-        layer = graphed._layer
         captured = runner.captured
-        routes = layer.routes(captured) if layer is not None else _replay.default_routes(captured)
+        routes = graphed._routes(captured.signature, captured.outputs)
         assert (route.reader, route.writer) in [(type(r), type(w)) for r, w in routes]
         slow = _count_slow_path(monkeypatch)
         for _ in range(3):
@@ -224,8 +224,8 @@ def test_every_route_replays_good_calls_and_leaves_mismatches_to_the_slow_path(
             if error is None:  # accepted: the module ignores other entries
                 torch.testing.assert_close(_action(graphed(*args, **kwargs)), _action(fn(*args)))
             else:
-                paths = graphed._table.paths()
-                assert paths and all(p.replay(args, kwargs) is _replay.MISS for p in paths), case
+                entries = graphed._table.entries()
+                assert entries and all(e.replay(args, kwargs) is MISS for e in entries), case
                 with pytest.raises(error, match=re.escape(path)) as info:
                     graphed(*args, **kwargs)
                 if case in ("shape", "dtype", "device"):

@@ -624,7 +624,7 @@ def test_the_librarys_own_closures_are_no_bindings_to_follow(backend: Backend) -
         for _ in range(3):
             td = TensorDict(x=backend.randn(8, 4), batch_size=[8])
             torch.testing.assert_close(graphed(td)["y"], policy(td.clone())["y"])
-    (path,) = graphed._table.paths()  # the replay path of its one graph
-    state = path._captured.state
+    (entry,) = graphed._table.entries()  # the entry of its one graph
+    state = entry.graph.state
     assert state is not None and state.entries
     assert [b[0] for b in state.bindings if b[1] is CELLS] == []

@@ -148,13 +148,13 @@ def test_a_recaptured_graph_leaves_the_table(backend: Backend) -> None:
     with torch.no_grad():
         for _ in range(2):
             graphed(backend.randn(1, 2))
-        (old,) = graphed._table.paths()
+        (old,) = graphed._table.entries()
         net.weight = nn.Parameter(torch.ones(2, 2, device=backend.device))
         with pytest.warns(UserWarning, match="captured again"):
             for _ in range(3):
                 x = backend.randn(1, 2)
                 torch.testing.assert_close(graphed(x), net(x))
-    assert old not in graphed._table.paths() and len(graphed._table.paths()) == 1
+    assert old not in graphed._table.entries() and len(graphed._table.entries()) == 1
 
 
 def test_a_function_given_no_in_keys_replays_without_the_slow_path(backend: Backend) -> None:

@@ -33,7 +33,7 @@ def test_verified_replays_run_the_function_eagerly_then_stop(backend: Backend) -
         expected = per_replay if i < 3 else per_replay - 1
         assert fn.calls - calls == expected
     assert graphed._verifier is not None and graphed._verifier.done == 3
-    assert graphed._table.paths()  # the replay path, after the last check
+    assert graphed._table.entries()  # in the table, after the last check
 
 
 def test_random_numbers_are_reported_with_the_leaf(backend: Backend) -> None:

@@ -9,14 +9,14 @@ import torch
 
 from .._capture.autograd import Capture, DifferentiableCall
 from .._capture.backend import check_options, make_backend
+from .._capture.entry import MISS, GraphEntry
 from .._compat import module_hooks
 from .._errors import graphed as _errors_graphed
 from .._errors import inputs as _errors
 from .._errors import state as _errors_state
 from .._state.search import modules_state
+from .._values.routes import routes
 from .._values.signature import Signature
-from . import replay as _replay
-from .replay import MISS
 
 
 def make_graphed_callables(
@@ -219,13 +219,13 @@ def _check_module(module: torch.nn.Module) -> None:
 
 
 def _graphed(fn: Any, calls: list[DifferentiableCall]) -> Any:
-    """The graphed callable: the replay path of each shape's call in turn, then the slow
-    path of the call whose shapes match (or the first one's error)."""
-    paths = [_replay.replay_path(call, _replay.default_routes(call)) for call in calls]
+    """The graphed callable: the entry of each shape's call in turn, then the slow path of
+    the call whose shapes match (or the first one's error)."""
+    entries = [GraphEntry(None, call, routes(call.signature, call.outputs)) for call in calls]
 
     def graphed(*args: Any, **kwargs: Any) -> Any:
-        for path in paths:
-            out = path.replay(args, kwargs)
+        for entry in entries:
+            out = entry.replay(args, kwargs)
             if out is not MISS:
                 return out
         # The slow path. As with torch's function, the inputs' `requires_grad` may differ

@@ -15,6 +15,7 @@ from .._capture import distributed as _distributed
 from .._capture import graph as _graph
 from .._capture import sharing as _sharing
 from .._capture.backend import SharedPool, backend_factory, check_options
+from .._capture.entry import MISS
 from .._compat import raw_stream
 from .._errors import inputs as _errors
 from .._errors import log as _log
@@ -22,16 +23,18 @@ from .._errors import shapes as _errors_shapes
 from .._shapes import graphs as _shapes
 from .._shapes import options as _shape_options
 from .._shapes.buckets import BucketGraphs
-from .._shapes.graphs import GraphList, Overflow, Served
+from .._shapes.graphs import GraphList, Overflow
 from .._shapes.options import Buckets, Exact, Static
+from .._values.input_views import recording_writes
+from .._values.outputs import Outputs
+from .._values.routes import Route, Routing, routes
+from .._values.signature import Signature
 from . import copying as _copying
 from . import modes as _modes
-from . import replay as _replay
 from . import static as _static
 from . import tdmodule as _tdmodule
 from . import verify as _verify
 from .modes import Mode
-from .replay import MISS, ReplayPath
 from .table import GraphTable
 
 if TYPE_CHECKING:
@@ -236,14 +239,17 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         self._fn = module
         self._verifier = _verify.Verifier(name, module, verify) if verify else None
         self._layer: _tdmodule.TensorDictLayer | None = None
+        # How the entries of its graphs read calls and write results (see `_values.routes`).
+        self._routes: Callable[[Signature, Outputs], list[Route]] = routes
         if self.in_keys is not None:
-            self._fn = _tdmodule.recording_writes(module)
+            self._fn = recording_writes(module)
             self._layer = _tdmodule.TensorDictLayer(
                 name,
                 self.in_keys,
                 self.out_keys,
                 module_reads_in_keys=getattr(module, "in_keys", None) is not None,
             )
+            self._routes = Routing(self._layer.in_keys, self._layer.out_keys).routes
         self._static = _static.StaticArgs(name, module, static) if static != () else None
         make_backend = None
         if self._backend_name != "eager":
@@ -256,7 +262,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         )
         # The graphs by mode, device (None off CUDA; see `_capture.devices`) and static values.
         self._graphs: dict[GraphsKey, Graphs] = {}
-        # The replay paths by the key of the calls they answered: what `__call__` runs.
+        # The entries of its graphs by the key of the calls they answered: what `__call__` runs.
         self._table = GraphTable(module, self._shapes.shapes != "static", self._static)
         self._where: GraphsKey | None = None  # the last slow call's
         # Per mode and device, the calls past max_graphs static values (see `_select`).
@@ -264,26 +270,26 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         self._order: _sharing.ReplayOrder | None = None  # its replay order (see `_capture.sharing`)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # The replay path: the graph table's paths for the call's key (see `_call.table`), each
-        # of which answers MISS for a call it leaves to `_call`.
+        # The replay path: the table's entries for the call's key (see `_call.table`), each of
+        # which answers MISS for a call it leaves to the slow path, `_call`.
         self._lock.acquire()
         try:
             order = self._order
             if order is not None and order.raw != raw_stream(order.device):  # type: ignore[misc]
                 order.follow()  # a call on another stream than the device's last replay
-            for path in self._table.find(args, kwargs):
-                out = path.replay(args, kwargs)
+            for entry in self._table.find(args, kwargs):
+                out = entry.replay(args, kwargs)
                 if out is not MISS:
-                    path.hits += 1
                     return out
             return self._call(args, kwargs)
         finally:
             self._lock.release()
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The slow path: a warm-up, a capture, a replay checked in full, or a verified one."""
+        """The slow path: a warm-up, a capture, a replay checked in full, or a verified one.
+        The entry of the graph that answered goes into the table, for calls like this one."""
         mode = _modes.current_mode(self.module)
-        table_key = self._table.key(args, kwargs, mode)
+        call_key = self._table.key(args, kwargs, mode)
         key, graphs = self._select(args, kwargs, mode)
         if graphs is None:  # a value of the static arguments past max_graphs
             return self._static_overflow(key, args, kwargs)
@@ -292,31 +298,25 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         if device is not None:  # this device's replays follow the last one there
             self._order = _sharing.ordered(device.index)
         verifier = self._verifier
-        # While verify= is on, the slow path serves the replays still to check (see `_settled`).
+        # While verify= is on, the slow path serves the replays still to check.
         copies = None if verifier is None else verifier.copy_inputs(args, kwargs)
         if self._layer is not None:
-            out = self._layer.call(graphs, args, kwargs)
+            answer = self._layer.call(graphs, args, kwargs)
         else:
-            out = graphs.run(args, kwargs)
-        served = graphs.replayed
-        if verifier is not None and served is not None and verifier.wants((key, served[0])):
+            answer = graphs.run(args, kwargs)
+        entry = answer.entry
+        if entry is None:
+            return answer.result
+        graph = (key, entry.key)  # as verify= counts its replays
+        if verifier is not None and answer.replayed and verifier.wants(graph):
             with _graph.capture_turn(self._lock):  # the function runs only under it
-                verifier.check(copies, args, kwargs, out, graphs, (key, served[0]))
-        answered = graphs.learn()  # the graph that answered: its replay path, for calls like this
-        if answered is not None:
-            path: ReplayPath | None = answered.path
-            if path is None:  # made once per captured call, which the graphs keep
-                path = self._replay_path(answered)
-                graphs.keep(answered, path)
-            self._table.learn(table_key, path)
-        return out
-
-    def _replay_path(self, answered: Served) -> ReplayPath:
-        """The replay path of the graph that answered a call: its routes, from the TensorDict
-        layer's readers and writers for a TensorDict module, else the fastest for the call."""
-        captured, layer = answered.captured, self._layer
-        routes = layer.routes(captured) if layer is not None else _replay.default_routes(captured)
-        return _replay.replay_path(captured, routes, answered.source, answered.runner)
+                verifier.check(copies, args, kwargs, answer.result, entry, graph)
+        # Not while verify= checks its replays, nor for a DDP step, whose calls agree on their
+        # graph first (see `_capture.distributed`).
+        settled = verifier is None or not verifier.wants(graph)
+        if answer.servable and settled and self._shapes.agreement is None:
+            self._table.add(call_key, entry)
+        return answer.result
 
     def _select(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], mode: Mode | None = None
@@ -336,13 +336,12 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
                 _devices.check_follows(self._name, self.module, device, homes[0], args, kwargs)
             if values and self._static_values(mode, device) >= self._shapes.max_graphs:
                 return key, None
-            graphs = self._graphs[key] = _shapes.make_graphs(
-                BucketGraphs if self._shapes.shapes == "buckets" else Graphs,
+            kind = BucketGraphs if self._shapes.shapes == "buckets" else Graphs
+            graphs = self._graphs[key] = kind(
                 self._name,
                 self._shapes,
                 self._new_runner,
-                self._verifier,
-                key,
+                self._routes,
                 self._fn,
                 self._lock,
                 _log.graph_label(self._name, self.module, self._shown(key)),

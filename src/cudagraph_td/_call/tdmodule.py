@@ -23,17 +23,8 @@ from tensordict.nn import dispatch
 
 from .._capture.captured import Captured
 from .._errors import inputs as _errors
-from .._values import tree as _tree
-from .replay import (
-    IntoTensorDict,
-    Keywords,
-    OutKeyValues,
-    Route,
-    TensorDictEntries,
-    TensorDictEntriesOut,
-    default_routes,
-    reader_for,
-)
+from .._shapes.graphs import Answer
+from .._values.input_views import WROTE_INPUT
 
 
 class Runner(Protocol):
@@ -43,17 +34,7 @@ class Runner(Protocol):
     @property
     def captured(self) -> Captured | None: ...
 
-    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
-
-
-class _WroteInput:
-    """Marks a result as "the module returned its input TensorDict, with these writes"."""
-
-    def __repr__(self) -> str:
-        return "<the module's input TensorDict>"
-
-
-WROTE_INPUT = _WroteInput()
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Answer: ...
 
 
 def resolve_keys(name: str, module: Any, in_keys: Any, out_keys: Any) -> tuple[Any, Any]:
@@ -81,30 +62,6 @@ def resolve_keys(name: str, module: Any, in_keys: Any, out_keys: Any) -> tuple[A
 def _as_keys(keys: Any) -> list[Any]:
     keys = [keys] if isinstance(keys, str) else list(keys)
     return [unravel_key(key) for key in keys]
-
-
-def recording_writes(module: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a TensorDict module so that "returned its input" becomes an explicit result.
-
-    When ``module(td, ...)`` returns ``td`` itself, the wrapper returns
-    ``(WROTE_INPUT, entries)``, where ``entries`` holds the entries that the call wrote
-    (new keys, and keys rebound to other tensors, such as a recurrent state). The graph then
-    treats them as outputs, returned in fresh memory at each replay.
-    """
-
-    def call(td: Any, *args: Any, **kwargs: Any) -> Any:
-        before = dict(td.items(include_nested=True, leaves_only=True))
-        out = module(td, *args, **kwargs)
-        if out is not td:
-            return out
-        written = [
-            key
-            for key, value in td.items(include_nested=True, leaves_only=True)
-            if before.get(key) is not value
-        ]
-        return (WROTE_INPUT, td.select(*written))
-
-    return call
 
 
 class TensorDictLayer:
@@ -142,17 +99,21 @@ class TensorDictLayer:
                 source=list(in_keys), dest=list(out_keys), auto_batch_size=False
             )(functools.partial(TensorDictLayer._call, self))
 
-    def call(self, runner: Runner, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Call the module's graph, whose stage ``runner`` runs, as the module is called."""
+    def call(self, runner: Runner, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Answer:
+        """Call the module's graph, whose stage ``runner`` runs, as the module is called: the
+        result, and the entry of the graph that answered (see `_shapes.graphs.Answer`)."""
         # The runner goes through dispatch as a keyword that no in_key can be named, with
-        # whether the call is one of keyword tensors (dispatch makes their TensorDict).
+        # whether the call is one of keyword tensors (dispatch makes their TensorDict), and
+        # the list that receives the graphs' answer.
         # Positional tensors are in_keys values too (dispatch makes their TensorDict, of
         # batch size []), as keyword tensors are: the same graph as a TensorDict call's.
         keywords = "tensordict" not in kwargs and not any(map(is_tensor_collection, args))
-        return self._dispatched(*args, **kwargs, **{_RUNNER: (runner, keywords)})
+        answers: list[Answer] = []
+        result = self._dispatched(*args, **kwargs, **{_RUNNER: (runner, keywords, answers)})
+        return answers[0]._replace(result=result)
 
     def _call(self, tensordict: Any, *args: Any, **kwargs: Any) -> Any:
-        runner, keywords = kwargs.pop(_RUNNER)
+        runner, keywords, answers = kwargs.pop(_RUNNER)
         tensordict_out: TensorDictBase | None = kwargs.pop("tensordict_out", None)
         if not is_tensor_collection(tensordict):
             raise _errors.not_a_tensordict(self.name, self.in_keys, tensordict)
@@ -174,7 +135,7 @@ class TensorDictLayer:
             # go to `tensordict_out`: the caller's TensorDict is left as it was.
             inputs = _batched_as_out(tensordict.copy(), tensordict_out)
         try:
-            out = runner.run((inputs, *args), kwargs)
+            answer = runner.run((inputs, *args), kwargs)
         except (_errors.InputMismatchError, _errors.InputKeyError, RuntimeError) as err:
             # The full check named the TensorDict that dispatch made (`args[0]`): a keyword
             # call is told about its keywords (missing, or of another shape, dtype, device or
@@ -183,6 +144,8 @@ class TensorDictLayer:
             if not keywords or captured is None:
                 raise
             raise self._keyword_error(captured, inputs) or err from None
+        answers.append(answer)
+        out = answer.result
         target = tensordict if tensordict_out is None else tensordict_out
         if isinstance(out, tuple) and len(out) == 2 and out[0] is WROTE_INPUT:
             return target.update(out[1])
@@ -214,64 +177,6 @@ class TensorDictLayer:
                 if error is not None:
                     return error
         return None
-
-    def routes(self, captured: Captured) -> list[Route]:
-        """The replay path's routes for a graph of a TensorDict module, or of a function
-        given no ``in_keys``.
-
-        ``module(td)``: the ``in_keys`` entries read by key, the written entries set into
-        ``td``; ``module(td, tensordict_out=out)``: the same entries, the written ones set
-        into ``out``; ``module(**tensors)``, for a graph captured with a TensorDict of batch
-        size ``[]`` (what a keyword call builds): the keyword tensors read by name (nested
-        keys joined with ``"_"``, as tensordict's dispatch does), the out_keys' values
-        returned. Without ``in_keys``: the call's arguments read as a plain function's
-        (`_call.replay.reader_for`), the result returned as the function returned it, or
-        the entries it wrote into its one TensorDict set into the caller's. None for any
-        other graph: every call takes the full call.
-        """
-        signature, outputs = captured.signature, captured.outputs
-        result = outputs.rebuild(outputs.static)
-        wrote_input = isinstance(result, tuple) and len(result) == 2 and result[0] is WROTE_INPUT
-        if not self.in_keys:
-            # No in_keys (LeanRL's and torchrl's `CudaGraphModule(update, in_keys=[],
-            # out_keys=[])`): the graph reads the call's arguments as a plain function's
-            # (the TensorDict whole, and any other argument), and its result is returned as
-            # it is, or, written into the one TensorDict, set into the caller's.
-            if not wrote_input:
-                return default_routes(captured)
-            whole, written = reader_for(signature), _tensor_keys(result[1])
-            if not isinstance(whole, TensorDictEntries) or written is None:
-                return []
-            return [(whole, IntoTensorDict(written, outputs.device))]
-        if signature.static_kwargs or len(signature.static_args) != 1:
-            return []
-        selected = signature.static_args[0]
-        if type(selected) is not TensorDict or not wrote_input:
-            return []
-        in_paths = _tensor_keys(selected)
-        out_paths = _tensor_keys(result[1])
-        # Read by key, the in_keys must be the graph's inputs: each one a tensor.
-        in_keys = {_key_tuple(key) for key in self.in_keys}
-        if in_paths is None or out_paths is None or set(in_paths) != in_keys:
-            return []
-        routes: list[Route] = [
-            (
-                TensorDictEntries(in_paths, selected.batch_size),
-                IntoTensorDict(out_paths, outputs.device),
-            ),
-            # `module(td, tensordict_out=out)`, the outputs written into `out`.
-            (
-                TensorDictEntriesOut(in_paths, selected.batch_size),
-                IntoTensorDict(out_paths, outputs.device, into_out=True),
-            ),
-        ]
-        # The out-key "_" marks an output that is not returned, as in tensordict.
-        returned = [_key_tuple(key) for key in self.out_keys if key != "_"]
-        if all(key in out_paths for key in returned):  # read by name, whatever the batch
-            names = ["_".join(key) for key in in_paths]
-            indices = [out_paths.index(key) for key in returned]
-            routes.append((Keywords(names), OutKeyValues(indices)))
-        return routes
 
 
 _RUNNER = "_cudagraph_td_runner"
@@ -327,11 +232,3 @@ def _laid_out_as_captured(inputs: Any, captured: Captured) -> Any:
 
 def _key_tuple(key: Any) -> tuple[str, ...]:
     return (key,) if isinstance(key, str) else tuple(key)
-
-
-def _tensor_keys(td: Any) -> list[tuple[str, ...]] | None:
-    """The keys of the leaves of ``td`` in flattening order, or None if one is not a tensor."""
-    leaves, _ = _tree.flatten(td)
-    if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
-        return None
-    return [tuple(key) for key in _tree.leaf_keys(td)]

@@ -56,18 +56,18 @@ class Verifier:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         out: Any,
-        graphs: Any,
+        entry: Any,
         graph: Hashable = None,
     ) -> None:
         """Run ``fn`` eagerly on ``copies``; raise if its result or inputs differ from the
-        replay's, which ``graphs`` (a wrapper's `_shapes.graphs.Graphs`) served.
+        replay's, which ``entry`` (`_capture.entry.GraphEntry`) answered.
 
         Raises:
             RuntimeError: The graph is a training step, which an eager run would apply twice.
             VerificationError: A leaf of the result, or an input updated in place, differs.
         """
-        device = next(r.backend.device for r in graphs.runners.values() if r.backend)
-        training_step = graphs.replayed[1].training_step
+        device = entry.runner.backend.device
+        training_step = entry.graph.training_step
         self.done += 1
         self._checked[graph] = self._checked.get(graph, 0) + 1
         if training_step:

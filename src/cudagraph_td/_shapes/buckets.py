@@ -14,14 +14,13 @@ from typing import Any
 
 import torch
 
-from .._capture import captured as _captured
-from .._capture.captured import Captured
+from .._capture.entry import GraphEntry
 from .._capture.graph import GraphCall, GraphRunner, capture_turn
 from .._errors import shapes as _errors_shapes
 from .._values.outputs import Outputs
 from .._values.signature import Signature
 from . import padding as _padding
-from .graphs import Graphs, exact_key
+from .graphs import Answer, Graphs, exact_key
 from .row_check import check_rows
 
 
@@ -33,8 +32,7 @@ class BucketGraphs(Graphs):
     # that each one pads.
     _checked: frozenset[tuple[int, ...]] = frozenset()
 
-    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        self.replayed = self._served = None
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Answer:
         options = self.options
         batch = _padding.batch_of(self.name, args, kwargs, options.batch_dims)
         size = _padding.bucket_for(batch, options.buckets)
@@ -42,30 +40,32 @@ class BucketGraphs(Graphs):
         if options.agreement is not None:  # every rank of a DDP step: the same graph
             size = options.agreement.largest(size)
         if size is None:  # above every bucket: this call's batch, or another rank's
-            return self._overflow(args, kwargs, batch, elsewhere=own is not None)
+            return Answer(self._overflow(args, kwargs, batch, elsewhere=own is not None))
         if torch.is_grad_enabled() and not options.row_independent:
             raise _errors_shapes.padding_refused(self.name, "calls in grad mode")
         self._check(size, batch, args, kwargs)
         runner = self.runners.get(size)
-        if runner is not None and isinstance(runner.captured, GraphCall):
-            view = self._rows(size, runner.captured, batch, args, kwargs)
-            state = runner.captured.state
+        if runner is not None:
+            view = self._rows(size, runner, batch, args, kwargs)
+            state = None if view is None else view.graph.state
             if view is not None and (state is None or state.fresh()):
-                out = _captured.call(view, args, kwargs)
-                self._replayed(size, view, _numel(batch), _numel(size))
-                return out
+                return Answer(view.call(args, kwargs), view, replayed=True)
         if runner is None:
             group = self._group(size)
             if len(group) > 1:
                 return self._capture_group(group, size, batch, args, kwargs)
             if len(self.runners) >= options.max_graphs:
-                return self._overflow(args, kwargs, None)
+                return Answer(self._overflow(args, kwargs, None))
             runner = self.runners[size] = self.new_runner(size)
         padded = _padding.resize(args, kwargs, size)
-        out = self._run(size, runner, *padded, _numel(batch), _numel(size))
+        answer = self._run(size, runner, *padded, _numel(batch), _numel(size))
         self._refuse(size, runner)
-        self._answer(size, runner, batch, args, kwargs)
-        return _padding.rows(self.name, out, size, batch)
+        result = _padding.rows(self.name, answer.result, size, batch)
+        # Once a bucket's graph is captured, calls like this one take its rows' entry.
+        view = self._rows(size, runner, batch, args, kwargs)
+        if view is None:
+            return Answer(result, answer.entry, answer.replayed, servable=False)
+        return Answer(result, view, answer.replayed)
 
     def _check(
         self, size: tuple[int, ...], batch: tuple[int, ...], args: Any, kwargs: dict[str, Any]
@@ -79,20 +79,6 @@ class BucketGraphs(Graphs):
             with capture_turn(self._lock):  # the function runs only under it
                 check_rows(self.name, self._fn, args, kwargs, size, batch)
         self._checked = self._checked | {size}
-
-    def _answer(
-        self,
-        size: tuple[int, ...],
-        runner: GraphRunner,
-        batch: tuple[int, ...],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> None:
-        """Once a bucket's graph is captured, calls like this one take its replay path."""
-        if self._served is None and isinstance(runner.captured, GraphCall):
-            view = self._rows(size, runner.captured, batch, args, kwargs)
-            if view is not None:
-                self._served = (size, view, _numel(batch), _numel(size))
 
     def _group(self, size: tuple[int, ...]) -> list[tuple[int, ...]]:
         """The buckets captured together with ``size``, largest first (so that the smaller
@@ -110,25 +96,26 @@ class BucketGraphs(Graphs):
         batch: tuple[int, ...],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-    ) -> Any:
+    ) -> Answer:
         """Warm up the largest graph of ``group`` on this call (padded); at its capture,
         capture every graph of the group, largest first, and answer with this call's."""
         self._check(group[0], batch, args, kwargs)  # its warm-ups pad the call to it
         lead = self._lead = self._lead or self.new_runner(group[0])
         if lead.counter < lead.warmup - 1:
             out = lead.run(*_padding.resize(args, kwargs, group[0]))
-            return _padding.rows(self.name, out, group[0], batch)
+            return Answer(_padding.rows(self.name, out, group[0], batch))
         self._lead = None
         self.runners[group[0]] = lead
-        answer = None
+        answer = Answer(None)
         for each in group:
             runner = self.runners.setdefault(each, self.new_runner(each))
             runner.skip_warmup()  # the largest's warm-ups did the lazy initialisations
             out = runner.run(*_padding.resize(args, kwargs, each))
             self._refuse(each, runner)
             if each == size:
-                answer = _padding.rows(self.name, out, size, batch)
-                self._answer(size, runner, batch, args, kwargs)
+                result = _padding.rows(self.name, out, size, batch)
+                view = self._rows(size, runner, batch, args, kwargs)
+                answer = Answer(result, view, servable=view is not None)
         return answer
 
     def _refuse(self, size: tuple[int, ...], runner: GraphRunner) -> None:
@@ -149,19 +136,23 @@ class BucketGraphs(Graphs):
     def _rows(
         self,
         size: tuple[int, ...],
-        captured: GraphCall,
+        runner: GraphRunner,
         batch: tuple[int, ...],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-    ) -> Captured | None:
-        """``captured`` (a bucket's graph) replayed on ``batch`` rows of its buffers, for calls
-        like this one; None if the call differs from the capture in more than its batch dims
-        (the padded call's full check then names the leaf)."""
+    ) -> GraphEntry | None:
+        """The entry of ``runner``'s captured graph (a bucket's) replayed on ``batch`` rows of
+        its buffers, for calls like this one; None if it is not captured, or captured for
+        autograd, or if the call differs from the capture in more than its batch dims (the
+        padded call's full check then names the leaf)."""
+        captured = runner.captured
+        if not isinstance(captured, GraphCall):
+            return None
         # By the call's structure too: a TensorDict and keyword tensors read other rows.
         where = (size, batch, exact_key(args, kwargs))
-        cached = self._views.get(where)
-        if cached is not None and cached[0] is captured:
-            return cached[1]
+        known = self.entries.get(where)
+        if known is not None and known.source is captured:
+            return known
         signature = captured.signature
         if signature.diagnose(args, kwargs, shapes=False) is not None:
             return None
@@ -177,8 +168,11 @@ class BucketGraphs(Graphs):
         outputs = captured.outputs
         result = _padding.rows(self.name, outputs.rebuild(outputs.static), size, batch)
         view = captured.rows(rows_signature, Outputs(self.name, result, outputs.device))
-        self._views[where] = (captured, view)
-        return view
+        routes = self._routes(view.signature, view.outputs)
+        self._forget_replaced()
+        entry = GraphEntry(size, view, routes, runner, captured, _numel(batch), _numel(size))
+        self.entries[where] = entry
+        return entry
 
 
 def _numel(batch: tuple[int, ...]) -> int:

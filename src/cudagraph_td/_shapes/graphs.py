@@ -4,26 +4,31 @@
 call's structure and the shapes of its tensors), each on first sight with its own warm-up. ``"buckets"`` pads
 the batch dims of a call to the next bucket size (see `_shapes.buckets`).
 
-``Graphs`` holds the graphs of one mode. ``Graphs.run`` is the one place that picks
-a graph by the call's key. ``Graphs.replay`` is the mode's replay path: the one graph's,
-or a table from the shape of the call's first input to the replay path of the graph that
-served the last call of that shape (learned on the slow path, see ``Graphs.learn``).
+``Graphs`` holds the graphs of one mode: a runner per graph (`_capture.graph.GraphRunner`:
+its warm-ups, capture and recaptures), and the entry of each captured graph
+(`_capture.entry.GraphEntry`). ``Graphs.run`` is the one place that picks a graph by the
+call's key, and answers the call on the wrapper's slow path: its result, and the entry that
+the wrapper's table gives calls like it (`Answer`).
 """
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 
+from .._capture import captured as _captured
 from .._capture.captured import Captured
+from .._capture.entry import GraphEntry
 from .._capture.graph import GraphRunner, capture_turn
 from .._errors import log as _log
 from .._errors import shapes as _errors_shapes
 from .._values import tree as _tree
+from .._values.outputs import Outputs
+from .._values.routes import Route
+from .._values.signature import Signature
 
 
 class ShapeOptions(NamedTuple):
@@ -66,37 +71,25 @@ class GraphList(list[GraphInfo]):
         self.eager_calls = eager_calls
 
 
-class Path(Protocol):
-    """A replay path (`_call.replay.ReplayPath`), as the graphs count its replays."""
+class Answer(NamedTuple):
+    """What the slow path of one call gives the wrapper: the call's result, the entry of the
+    graph that answered it by a replay or by its capture (None for a warm-up or an eager
+    call), whether by a replay (for verify=), and whether calls like it may replay that
+    entry from the wrapper's table (not a call padded to a bucket's graph)."""
 
-    hits: int  # the calls it answered
-
-    def alive(self) -> bool:
-        """Whether the graph it replays is still its runner's."""
-        ...
-
-
-class Served(NamedTuple):
-    """The graph that answered the last call by a replay (see `Graphs.learn`): its key, the
-    captured call that answered (a bucket's rows are calls of their own), the runner's graph
-    it replays (``source``, which ``captured`` is or views), the runner, the rows of the call
-    and of its graph, and its replay path if the wrapper made one already (see `Graphs.keep`)."""
-
-    key: Hashable
-    captured: Captured
-    source: Captured
-    runner: GraphRunner
-    rows: int
-    padded_rows: int
-    path: Any  # the wrapper's replay path (a `Path`), or None
+    result: Any
+    entry: GraphEntry | None = None
+    replayed: bool = False
+    servable: bool = True
 
 
 class Graphs:
     """The graphs of one mode of a wrapper, chosen by the shapes of each call.
 
-    ``new_runner()`` makes the runner of a new graph; ``settled(key)`` says whether the graph of ``key`` may take the replay path (not while
-    ``verify=`` still checks its replays); ``fn`` is the function, for the calls that no
-    graph answers; ``label`` names the mode's graphs in log records (see `_errors.log`).
+    ``new_runner()`` makes the runner of a new graph; ``routes(signature, outputs)`` the
+    routes of a captured graph's entry (see `_values.routes`); ``fn`` is the function, for
+    the calls that no graph answers; ``label`` names the mode's graphs in log records (see
+    `_errors.log`).
     """
 
     def __init__(
@@ -104,7 +97,7 @@ class Graphs:
         name: str,
         options: ShapeOptions,
         new_runner: Callable[[], GraphRunner],
-        settled: Callable[[Hashable], bool],
+        routes: Callable[[Signature, Outputs], list[Route]],
         fn: Callable[..., Any],
         lock: Any,
         label: str = "",
@@ -114,20 +107,16 @@ class Graphs:
         self._fn = fn
         self.options = options
         self.runners: dict[Hashable, GraphRunner] = {}
-        # The key and captured call of the graph whose replay answered the last call through
-        # `run`, else None (see verify=).
-        self.replayed: tuple[Hashable, Captured] | None = None
+        # The entry of each runner's captured graph, by the graph's key, and (buckets) of
+        # its rows, by the rows' key (see `_shapes.buckets`).
+        self.entries: dict[Hashable, GraphEntry] = {}
         self.precapturing = False
         self._new_runner = new_runner
-        self._settled = settled
+        self._routes = routes
         self._lock = lock
-        self._served: tuple[Hashable, Captured, int, int] | None = None  # see `learn`
-        # Replays counted on the slow path, and per replay path: (key, rows, padded, count).
-        self._counts: list[tuple[Hashable, int, int, Tally | Path]] = []
-        self._slow: dict[tuple[Hashable, int, int], Tally] = {}
-        # The replay path of each captured call (a bucket's rows are calls of their own).
-        self._paths: dict[int, tuple[Path, Captured]] = {}
-        self._views: dict[Hashable, tuple[Captured, Captured]] = {}
+        # Replays that no live entry counts: those of graphs captured again since, and of
+        # calls padded to a bucket's graph; by (key, rows, padded rows).
+        self._counts: dict[tuple[Hashable, int, int], int] = {}
         self.overflow = Overflow(options, self.label)
 
     @property
@@ -155,9 +144,8 @@ class Graphs:
 
     # Picking the graph ---------------------------------------------------------------------
 
-    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Answer:
         """Warm up, capture or replay the call's graph (the one place that picks it)."""
-        self.replayed = self._served = None
         shapes = self.options.shapes
         key = None if shapes == "static" else exact_key(args, kwargs)
         if key is not None and self.options.agreement is not None:
@@ -167,9 +155,9 @@ class Graphs:
             if self.runners and shapes == "exact":
                 self._admit(key, args, kwargs)
                 if len(self.runners) >= self.options.max_graphs:
-                    return self._overflow(args, kwargs, None)
+                    return Answer(self._overflow(args, kwargs, None))
             runner = self.runners[key] = self.new_runner(key)
-        return self._run(key, runner, args, kwargs, 1, 1)
+        return self._run(key, runner, args, kwargs)
 
     def new_runner(self, key: Hashable) -> GraphRunner:
         """The runner of the graph of ``key``, which names it so in log records."""
@@ -183,29 +171,45 @@ class Graphs:
         runner: GraphRunner,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        rows: int,
-        padded_rows: int,
-    ) -> Any:
-        captured = runner.captured
+        rows: int = 1,
+        padded_rows: int = 1,
+    ) -> Answer:
+        """The call's graph: replayed, checked in full, if it is captured and the state it
+        reads holds; else warmed up, captured, or captured again (`GraphRunner.run`). A call
+        padded to a bucket's graph (``rows`` of ``padded_rows``) is counted apart."""
+        entry = self.entry(key, runner)
+        if entry is not None:
+            state = entry.graph.state
+            if state is None or state.fresh():
+                if rows == padded_rows:
+                    return Answer(entry.call(args, kwargs), entry, replayed=True)
+                out = _captured.call(entry.graph, args, kwargs)
+                where = (key, rows, padded_rows)
+                self._counts[where] = self._counts.get(where, 0) + 1
+                return Answer(out, entry, replayed=True, servable=False)
         out = runner.run(args, kwargs)
-        if captured is not None and runner.captured is captured:  # a replay
-            # A padded call's graph does not take calls of its rows on the replay path.
-            self._replayed(key, captured, rows, padded_rows, learn=rows == padded_rows)
-        elif runner.captured is not None and rows == padded_rows:  # captured by this call
-            self._served = (key, runner.captured, rows, padded_rows)
-        return out
+        return Answer(out, self.entry(key, runner))
 
-    def _replayed(
-        self, key: Hashable, captured: Captured, rows: int, padded_rows: int, learn: bool = True
-    ) -> None:
-        self.replayed = (key, captured)
-        if learn:
-            self._served = (key, captured, rows, padded_rows)
-        count = self._slow.get((key, rows, padded_rows))
-        if count is None:
-            count = self._slow[(key, rows, padded_rows)] = Tally()
-            self._counts.append((key, rows, padded_rows, count))
-        count.hits += 1
+    def entry(self, key: Hashable, runner: GraphRunner) -> GraphEntry | None:
+        """The entry of ``runner``'s captured graph (None while it warms up), made once."""
+        captured = runner.captured
+        if captured is None:
+            return None
+        entry = self.entries.get(key)
+        if entry is None or entry.source is not captured:
+            self._forget_replaced()
+            routes = self._routes(captured.signature, captured.outputs)
+            entry = self.entries[key] = GraphEntry(key, captured, routes, runner)
+        return entry
+
+    def _forget_replaced(self) -> None:
+        """Drop the entries of graphs captured again since (a replaced parameter): they
+        would keep the old graphs and their buffers alive. Their counts stay."""
+        for where, entry in list(self.entries.items()):
+            if not entry.alive():
+                del self.entries[where]
+                counted = (entry.key, entry.rows, entry.padded_rows)
+                self._counts[counted] = self._counts.get(counted, 0) + entry.replays
 
     def _admit(self, key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Raise if a call differs by more than its shapes from the graphs of its structure
@@ -239,55 +243,21 @@ class Graphs:
             )
         return self.overflow.call(self._fn, args, kwargs, self._lock, reason, message)
 
-    # The replay path -----------------------------------------------------------------------
-
-    def learn(self) -> Served | None:
-        """The graph that answered the last call by a replay, whose replay path the wrapper's
-        graph table gives calls like it (see `_call.table`), with that path if the wrapper
-        made it already (else it makes it and gives it to `keep`); None if no graph did, or
-        while its replays take the slow path (verify=, a DDP step's agreement)."""
-        served = self._served
-        if served is None or self.options.agreement is not None:  # each call agrees first
-            return None
-        key, captured, rows, padded_rows = served
-        if not self._settled(key):
-            return None
-        known = self._paths.get(id(captured))
-        path = known[0] if known is not None and known[1] is captured else None
-        runner = self.runners[key]
-        source = runner.captured or captured
-        return Served(key, captured, source, runner, rows, padded_rows, path)
-
-    def keep(self, served: Served, path: Path) -> None:
-        """Keep ``path``, the new replay path of ``served``, for the next calls it answers on
-        the slow path (`learn`), and count its replays in ``graphs()``."""
-        self._forget_replaced()
-        self._counts.append((served.key, served.rows, served.padded_rows, path))
-        self._paths[id(served.captured)] = (path, served.captured)
-
-    def _forget_replaced(self) -> None:
-        """Drop the replay paths and views of graphs captured again since (a replaced
-        parameter): they would keep the old graphs and their buffers alive."""
-        live = {id(runner.captured) for runner in self.runners.values()}
-        self._views = {k: v for k, v in self._views.items() if id(v[0]) in live}
-        live |= {id(view) for _, view in self._views.values()}
-        self._paths = {k: v for k, v in self._paths.items() if k in live}
-        # Their counts stay, without them.
-        for i, (key, rows, padded, count) in enumerate(self._counts):
-            if not isinstance(count, Tally) and not count.alive():
-                self._counts[i] = (key, rows, padded, Tally(count.hits))
-
     # Introspection -------------------------------------------------------------------------
 
     def infos(self, mode: str) -> list[GraphInfo]:
         """The graphs of this mode."""
+        counts = dict(self._counts)
+        for entry in self.entries.values():
+            counted = (entry.key, entry.rows, entry.padded_rows)
+            counts[counted] = counts.get(counted, 0) + entry.replays
         replays: dict[Hashable, int] = {}
         rows: dict[Hashable, list[int]] = {}
-        for key, real, padded, count in self._counts:
-            replays[key] = replays.get(key, 0) + count.hits
+        for (key, real, padded), hits in counts.items():
+            replays[key] = replays.get(key, 0) + hits
             total = rows.setdefault(key, [0, 0])
-            total[0] += count.hits * real
-            total[1] += count.hits * padded
+            total[0] += hits * real
+            total[1] += hits * padded
         infos = []
         for key, runner in self.runners.items():
             real, padded = rows.get(key, (0, 0))
@@ -320,36 +290,6 @@ def exact_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     except TypeError:  # a node's metadata that is not hashable
         return ((str(spec), places), shapes)
     return ((spec, places), shapes)
-
-
-def make_graphs(
-    cls: type[Graphs],
-    name: str,
-    options: ShapeOptions,
-    new_runner: Callable[[], GraphRunner],
-    verifier: Any,
-    mode: Hashable,
-    fn: Callable[..., Any],
-    lock: Any,
-    label: str = "",
-) -> Graphs:
-    """The graphs of one mode (and device) of a wrapper, ``mode`` its key there. Nothing in
-    them refers to the wrapper, so that dropping it frees them at once, without the garbage
-    collector. ``cls``: `Graphs`, or its subclass for ``shapes="buckets"``."""
-    settled = functools.partial(_settled, verifier, mode)
-    return cls(name, options, new_runner, settled, fn, lock, label)
-
-
-def _settled(verifier: Any, mode: Hashable, key: Hashable) -> bool:
-    """Whether a graph's replays may take the replay path: not while verify= checks them."""
-    return verifier is None or not verifier.wants((mode, key))
-
-
-class Tally:
-    """The replays of one graph counted on the slow path (a replay path counts its own)."""
-
-    def __init__(self, hits: int = 0):
-        self.hits = hits
 
 
 class Overflow:

@@ -252,3 +252,42 @@ def _into_caller(args: tuple[Any, ...], kwargs: dict[str, Any], written: Any) ->
     where = written[0].argument
     td = args[where] if isinstance(where, int) else kwargs[where]
     return td.update(written[1])
+
+
+# The TensorDict-module layer's form (see `_call.tdmodule`): a module called with a
+# TensorDict of its in_keys entries that returns that TensorDict gives the layer the entries
+# it wrote, which the layer sets into the caller's TensorDict (or ``tensordict_out``).
+
+
+class _WroteInput:
+    """Marks a result as "the module returned its input TensorDict, with these writes"."""
+
+    def __repr__(self) -> str:
+        return "<the module's input TensorDict>"
+
+
+WROTE_INPUT = _WroteInput()
+
+
+def recording_writes(module: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a TensorDict module so that "returned its input" becomes an explicit result.
+
+    When ``module(td, ...)`` returns ``td`` itself, the wrapper returns
+    ``(WROTE_INPUT, entries)``, where ``entries`` holds the entries that the call wrote
+    (new keys, and keys rebound to other tensors, such as a recurrent state). The graph then
+    treats them as outputs, returned in fresh memory at each replay.
+    """
+
+    def call(td: Any, *args: Any, **kwargs: Any) -> Any:
+        before = dict(td.items(include_nested=True, leaves_only=True))
+        out = module(td, *args, **kwargs)
+        if out is not td:
+            return out
+        written = [
+            key
+            for key, value in td.items(include_nested=True, leaves_only=True)
+            if before.get(key) is not value
+        ]
+        return (WROTE_INPUT, td.select(*written))
+
+    return call

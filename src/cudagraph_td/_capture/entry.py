@@ -1,0 +1,142 @@
+"""A graph entry: one captured graph, as a wrapper's table holds it and a call replays it.
+
+An entry holds its graph's key among the graphs of its mode, the captured call (a plain
+graph, `_capture.graph.GraphCall`, or a forward and backward pair in one autograd node,
+`_capture.autograd.DifferentiableCall`, with the static input buffers), the routes by
+which it reads a call's input tensors and writes its result (`_values.routes`), and its
+counters. ``replay`` is the replay path, top to bottom:
+
+1. the route of the call's kind (positional, keywords, ``tensordict_out=``) reads the input
+   tensors, or misses;
+2. one metadata check: (type, shape, dtype, device, ``requires_grad``) of each tensor, and
+   the state the graph reads (parameters, buffers: see `_state.state`);
+3. the launch: copy into the static inputs, replay, outputs in fresh memory (through the
+   autograd node in grad mode);
+4. the route's writer gives the result its form.
+
+A call that a reader cannot read, or that the check refuses, is a *miss*: ``replay`` returns
+``MISS``, and the wrapper takes its slow path, whose checked replay (``call``) checks the
+call in full and raises the error that names the leaf. Only the slow path explains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+
+from .._compat import foreach_copy_
+from .._values.routes import TENSORDICT_OUT, Args, Kwargs, Route
+from .._values.signature import metadata
+from . import captured as _captured
+from .captured import Captured
+
+MISS: Any = object()
+"""What ``GraphEntry.replay`` returns for a call it leaves to the slow path."""
+
+Read = Callable[[Args, Kwargs], Sequence[Any] | None]
+Write = Callable[[Args, Kwargs, Sequence[torch.Tensor]], Any]
+
+
+def _miss(args: Args, kwargs: Kwargs) -> None:
+    """The reader of a call kind that no route reads."""
+    return None
+
+
+class GraphEntry:
+    """One captured graph: its key, the captured call, its routes, its counters.
+
+    ``key`` is the graph's key among the graphs of its mode (None for ``shapes="static"``,
+    the call's structure and shapes for ``"exact"``, the bucket for ``"buckets"``).
+    ``routes`` holds a route for calls without keywords and one for calls with keywords, or
+    one route for both (its reader tells), and for a TensorDict module a route for calls with
+    ``tensordict_out`` (else they take the keywords' route). ``runner`` is the graph's
+    runner (`_capture.graph.GraphRunner`), and ``source`` the runner's captured call that
+    ``graph`` is or views (a bucket's rows are an entry of their own, over the bucket's
+    graph): the entry is ``alive`` while the runner holds it (a recapture replaces it).
+    ``rows`` and ``padded_rows``: the batch of the calls it answers, and of its graph.
+    """
+
+    def __init__(
+        self,
+        key: Hashable,
+        graph: Captured,
+        routes: Sequence[Route],
+        runner: Any = None,
+        source: Captured | None = None,
+        rows: int = 1,
+        padded_rows: int = 1,
+    ):
+        self.key = key
+        self.graph = graph
+        self.runner = runner
+        self.source = graph if source is None else source
+        self.rows, self.padded_rows = rows, padded_rows
+        self.replays = 0  # the calls it answered, on either path
+        by_position: tuple[Read, Write | None] = (_miss, None)
+        by_keywords = by_position
+        by_out = None
+        for reader, writer in routes:
+            # A result that is the first output itself needs no call: the replay returns it.
+            route = (reader.read, None if writer.returns_first else writer.write)
+            if reader.keywords == TENSORDICT_OUT:
+                by_out = route
+                continue
+            if reader.keywords is not True:
+                by_position = route
+            if reader.keywords is not False:
+                by_keywords = route
+        self._by_position, self._by_keywords = by_position, by_keywords
+        self._by_out = by_keywords if by_out is None else by_out
+        expected = self._expected = graph.signature.expected
+        # One tensor in: its metadata compared without a list of one element.
+        self._one = expected[0] if len(expected) == 1 else None
+        # The state it reads (see `_state.state`): a replaced parameter is a miss, and a recapture.
+        self._state_holds = graph.state.fresh if graph.state is not None else None
+        # A plain graph with one tensor in and one out: its launch done here, without a call.
+        bare = graph.bare
+        self._static_inputs: list[torch.Tensor] | None = bare[0] if bare else None
+        self._static_output: torch.Tensor | None = bare[1] if bare else None
+        self._bare_replay: Callable[[], None] | None = bare[2] if bare else None
+
+    def alive(self) -> bool:
+        """Whether its graph is still its runner's (not captured again since)."""
+        return self.runner is None or self.runner.captured is self.source
+
+    def replay(self, args: Args, kwargs: Kwargs) -> Any:
+        """Replay the graph for this call; ``MISS`` if the call is not one it reads."""
+        if kwargs:
+            read, write = self._by_out if TENSORDICT_OUT in kwargs else self._by_keywords
+        else:
+            read, write = self._by_position
+        tensors = read(args, kwargs)
+        if tensors is None:
+            return MISS
+        one = self._one
+        try:  # the one metadata check (see `metadata`)
+            if one is not None:
+                same = metadata(tensors[0]) == one
+            else:
+                same = list(map(metadata, tensors)) == self._expected
+        except Exception:  # a leaf that is not a tensor
+            same = False
+        state_holds = self._state_holds
+        if not same or (state_holds is not None and not state_holds()):
+            return MISS
+        bare_replay = self._bare_replay
+        if bare_replay is not None:
+            foreach_copy_(self._static_inputs, tensors)  # type: ignore[arg-type]  # faster than copy_
+            bare_replay()
+            fresh: Sequence[torch.Tensor] = (self._static_output.clone(),)  # type: ignore[union-attr]
+        else:
+            fresh = self.graph.launch(tensors)
+        self.replays += 1
+        return fresh[0] if write is None else write(args, kwargs, fresh)
+
+    def call(self, args: Args, kwargs: Kwargs) -> Any:
+        """The slow path's replay: the full check, which raises the error naming the leaf,
+        then the launch; the result in the structure the function returned."""
+        out = _captured.call(self.graph, args, kwargs)
+        self.replays += 1
+        return out
