@@ -78,11 +78,8 @@ class Signature:
         self.tensor_index = [i for i, tensor in enumerate(is_tensor) if tensor]
         self.const_index = [i for i, tensor in enumerate(is_tensor) if not tensor]
         self.expected = [metadata(leaves[i]) for i in self.tensor_index]
-        # The same without `requires_grad` (the last item), for `match(requires_grad=False)`.
-        self._gradless = [meta[:-1] for meta in self.expected]
         # The constants, each with its type: a call's must have the same types and values.
         self.consts = [(type(leaves[i]), leaves[i]) for i in self.const_index]
-        self.all_tensors = not self.const_index
         # The graph's own copies of the tensor inputs: replays copy new inputs into them.
         # They are leaves that require grad where the inputs do (a graph captured for
         # autograd differentiates with respect to them), and never inference tensors, so
@@ -123,7 +120,7 @@ class Signature:
         leaves, spec = optree.tree_flatten(cast(Any, (args, kwargs)), namespace=_tree.NAMESPACE)
         if spec != self.spec:
             return None
-        if self.all_tensors:
+        if not self.const_index:  # every leaf is a tensor
             return leaves
         try:
             if [(type(leaves[i]), leaves[i]) for i in self.const_index] != self.consts:
@@ -148,8 +145,9 @@ class Signature:
         with contextlib.suppress(Exception):
             if tensors is not None:
                 received = list(map(metadata, tensors))
+                # Without `requires_grad`, the last item of each tensor's metadata.
                 if received == self.expected or (
-                    not requires_grad and [meta[:-1] for meta in received] == self._gradless
+                    not requires_grad and _gradless(received) == _gradless(self.expected)
                 ):
                     return tensors
         error = self.diagnose(args, kwargs, requires_grad=requires_grad)
@@ -167,11 +165,8 @@ class Signature:
 
     def tensor_paths(self) -> list[str]:
         """Readable paths of the tensor inputs, in the order of ``static_inputs`` (for errors)."""
-        return [
-            path
-            for path, leaf in _tree.leaves_with_paths((self.static_args, self.static_kwargs))
-            if isinstance(leaf, torch.Tensor)
-        ]
+        paths = _tree.leaf_paths((self.static_args, self.static_kwargs))
+        return [paths[i] for i in self.tensor_index]
 
     def diagnose(
         self,
@@ -225,7 +220,7 @@ class _Walk:
     def __init__(self, name: str, *, shapes: bool = True, requires_grad: bool = True):
         self.name = name
         self.shapes = shapes
-        self.requires_grad = requires_grad
+        self.requires_grad = shapes and requires_grad
         self.missing: list[str] = []  # entries of the capture that the call lacks
         self.extra: list[str] = []  # entries of the call that the capture lacked
         self.other: list[str] = []  # nodes whose metadata differs
@@ -278,13 +273,16 @@ class _Walk:
             return _errors.dtype_mismatch(self.name, where, old.dtype, new.dtype)
         if self.shapes and new.shape != old.shape:
             return _errors.shape_mismatch(self.name, where, old.shape, new.shape)
-        if not self.shapes or not self.requires_grad:
+        if not self.requires_grad or new.requires_grad == old.requires_grad:
             return None
-        if new.requires_grad and not old.requires_grad:
+        if new.requires_grad:
             return _errors.requires_grad(self.name, where)
-        if old.requires_grad and not new.requires_grad:
-            return _errors.no_longer_requires_grad(self.name, where)
-        return None
+        return _errors.no_longer_requires_grad(self.name, where)
+
+
+def _gradless(metadata: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Tensors' ``metadata`` without their ``requires_grad`` (the last item)."""
+    return [meta[:-1] for meta in metadata]
 
 
 def _meta(metadata: Any, shapes: bool) -> Any:
