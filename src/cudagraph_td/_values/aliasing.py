@@ -30,9 +30,9 @@ from .signature import Signature
 _storage = torch.Tensor.untyped_storage
 _storage_address = torch.UntypedStorage.data_ptr
 
-# Above this many bytes in two views whose elements interleave (columns of one matrix), their
-# bytes are not compared one by one: they count as overlapping (a refused call, never a wrong
-# answer).
+# Above this many bytes in two views whose spans overlap, their bytes are not compared one by
+# one: they count as overlapping (a refused call, never a wrong answer). Views that each fill
+# their span do overlap then; views whose elements interleave (columns of one matrix) may not.
 _EXACT_BYTES = 1 << 20
 
 
@@ -86,9 +86,9 @@ def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     (a_start, a_end), (b_start, b_end) = span(a), span(b)
     if a_end <= b_start or b_end <= a_start:
         return False
-    if _dense(a) and _dense(b):  # each covers its span: the spans' overlap is theirs
-        return True
-    return _interleaved(b_start - a_start, _layout(a), _layout(b))
+    # The spans overlap: the views do if they have a byte in common (views whose elements
+    # interleave, such as the columns of one matrix, may have none).
+    return _common_byte(b_start - a_start, _layout(a), _layout(b))
 
 
 Layout = tuple[tuple[int, ...], tuple[int, ...], int]  # shape, strides, element size
@@ -108,20 +108,8 @@ def span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * t.element_size()
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill its span, in some order of its dims (no gap, no repeat)."""
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride(), strict=True) if n > 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 @functools.lru_cache(maxsize=256)
-def _interleaved(distance: int, a: Layout, b: Layout) -> bool:
+def _common_byte(distance: int, a: Layout, b: Layout) -> bool:
     """Whether views laid out as ``a`` and ``b``, ``b`` starting ``distance`` bytes after
     ``a``, have a byte in common: their bytes compared one by one, once per such pair (calls
     that pass views of new tensors laid out as before find the answer here)."""

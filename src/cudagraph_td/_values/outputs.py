@@ -121,14 +121,12 @@ class Outputs:
             return tensors[0]
         if self.tensordicts is not None:
             return self.tensordicts.build(tensors)
-        result: Any
-        if self.all_tensors:
-            result = optree.tree_unflatten(self.spec, tensors)
-        else:
+        leaves: Sequence[Any] = tensors
+        if not self.all_tensors:  # the constants, with the tensors in their places
             leaves = list(self.template)
             for i, t in zip(self.tensor_index, tensors, strict=True):
                 leaves[i] = t
-            result = optree.tree_unflatten(self.spec, leaves)
+        result = optree.tree_unflatten(self.spec, leaves)
         if self.key_orders is not None:
             result = _tree.in_key_orders(result, self.key_orders)
         return result

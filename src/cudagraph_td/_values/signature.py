@@ -11,6 +11,7 @@ that names it.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import Any, cast
 
@@ -72,18 +73,13 @@ class Signature:
     ):
         validate(name, args, kwargs, device, allow_grad=allow_grad)
         self.name = name
-        self._shapes = True  # whether `diagnose` compares shapes
-        self._requires_grad = True  # whether it compares `requires_grad`
         leaves, self.spec = _tree.flatten((args, kwargs))
-        self.tensor_index = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        self.const_index = [
-            i for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)
-        ]
+        is_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
+        self.tensor_index = [i for i, tensor in enumerate(is_tensor) if tensor]
+        self.const_index = [i for i, tensor in enumerate(is_tensor) if not tensor]
         self.expected = [metadata(leaves[i]) for i in self.tensor_index]
-        self._gradless = list(map(_gradless, self.expected))
-        self.consts = [leaves[i] for i in self.const_index]
-        self.const_types = [type(c) for c in self.consts]
-        self.all_tensors = not self.const_index
+        # The constants, each with its type: a call's must have the same types and values.
+        self.consts = [(type(leaves[i]), leaves[i]) for i in self.const_index]
         # The graph's own copies of the tensor inputs: replays copy new inputs into them.
         # They are leaves that require grad where the inputs do (a graph captured for
         # autograd differentiates with respect to them), and never inference tensors, so
@@ -124,9 +120,12 @@ class Signature:
         leaves, spec = optree.tree_flatten(cast(Any, (args, kwargs)), namespace=_tree.NAMESPACE)
         if spec != self.spec:
             return None
-        if self.all_tensors:
+        if not self.const_index:  # every leaf is a tensor
             return leaves
-        if not self.consts_match(leaves):
+        try:
+            if [(type(leaves[i]), leaves[i]) for i in self.const_index] != self.consts:
+                return None
+        except Exception:  # a constant whose comparison raises: not the captured one
             return None
         return [leaves[i] for i in self.tensor_index]
 
@@ -142,15 +141,15 @@ class Signature:
                 names the leaf (see ``diagnose``).
         """
         tensors = self.read(args, kwargs)
-        try:
+        # A leaf that is not a tensor, where the capture had one, raises in `metadata`.
+        with contextlib.suppress(Exception):
             if tensors is not None:
                 received = list(map(metadata, tensors))
+                # Without `requires_grad`, the last item of each tensor's metadata.
                 if received == self.expected or (
-                    not requires_grad and list(map(_gradless, received)) == self._gradless
+                    not requires_grad and _gradless(received) == _gradless(self.expected)
                 ):
                     return tensors
-        except Exception:  # a leaf that is not a tensor, where the capture had one
-            pass
         error = self.diagnose(args, kwargs, requires_grad=requires_grad)
         if error is not None:
             raise error
@@ -166,19 +165,8 @@ class Signature:
 
     def tensor_paths(self) -> list[str]:
         """Readable paths of the tensor inputs, in the order of ``static_inputs`` (for errors)."""
-        return [
-            path
-            for path, leaf in _tree.leaves_with_paths((self.static_args, self.static_kwargs))
-            if isinstance(leaf, torch.Tensor)
-        ]
-
-    def consts_match(self, leaves: list[Any]) -> bool:
-        """Whether the non-tensor leaves of a call are those of the capture (by type and value)."""
-        received = [leaves[i] for i in self.const_index]
-        try:
-            return [type(c) for c in received] == self.const_types and received == self.consts
-        except Exception:
-            return False
+        paths = _tree.leaf_paths((self.static_args, self.static_kwargs))
+        return [paths[i] for i in self.tensor_index]
 
     def diagnose(
         self,
@@ -195,18 +183,13 @@ class Signature:
         another graph of a wrapper with ``shapes="exact"``), or, with
         ``requires_grad=False``, by ``requires_grad`` (`make_graphed_callables`, as torch's).
         """
-        self._shapes = shapes
-        self._requires_grad = requires_grad
-        captured = (self.static_args, self.static_kwargs)
-        missing: list[str] = []
-        extra: list[str] = []
-        other: list[str] = []
-        missing_td_keys: list[str] = []
-        error = self._compare((), captured, (args, kwargs), missing, extra, other, missing_td_keys)
+        walk = _Walk(self.name, shapes=shapes, requires_grad=requires_grad)
+        error = walk.trees((), (self.static_args, self.static_kwargs), (args, kwargs))
         if error is not None:
             return error
-        if missing_td_keys and not extra and not other and missing == missing_td_keys:
-            return _errors.missing_keys(self.name, missing_td_keys)
+        missing, extra, other = walk.missing, walk.extra, walk.other
+        if missing and not extra and not other and missing == walk.missing_td_keys:
+            return _errors.missing_keys(self.name, missing)
         if missing or extra or other:
             return _errors.structure_mismatch(self.name, missing, extra, other)
         # Nothing differs leaf by leaf: the structure differs in a way the walk does not name
@@ -223,64 +206,58 @@ class Signature:
         (device, dtype, shape, ``requires_grad``), for an input passed otherwise than in the
         captured tree and named ``where`` as the user passed it (a TensorDict module's keyword
         tensor)."""
-        self._shapes, self._requires_grad = True, True
-        return self._compare_leaves(where, captured, received)
+        return _Walk(self.name).leaves(where, captured, received)
 
-    def _compare(
-        self,
-        path: tuple[optree.PyTreeEntry, ...],
-        old: Any,
-        new: Any,
-        missing: list[str],
-        extra: list[str],
-        other: list[str],
-        missing_td_keys: list[str],
-    ) -> Exception | None:
+
+class _Walk:
+    """The captured inputs and a call's, walked side by side (see `Signature.diagnose`): the
+    first difference that has an error of its own, and the paths of structure differences.
+
+    Without ``shapes``, shapes, batch sizes and ``requires_grad`` are not compared; without
+    ``requires_grad``, ``requires_grad`` is not.
+    """
+
+    def __init__(self, name: str, *, shapes: bool = True, requires_grad: bool = True):
+        self.name = name
+        self.shapes = shapes
+        self.requires_grad = shapes and requires_grad
+        self.missing: list[str] = []  # entries of the capture that the call lacks
+        self.extra: list[str] = []  # entries of the call that the capture lacked
+        self.other: list[str] = []  # nodes whose metadata differs
+        self.missing_td_keys: list[str] = []  # those of `missing` that are TensorDict keys
+
+    def trees(self, path: tuple[optree.PyTreeEntry, ...], old: Any, new: Any) -> Exception | None:
         where = _tree.format_path(path)
         old_leaf, new_leaf = _tree.is_leaf(old), _tree.is_leaf(new)
         if old_leaf and new_leaf:
-            return self._compare_leaves(where, old, new)
+            return self.leaves(where, old, new)
         if old_leaf != new_leaf or type(old) is not type(new):
             return _errors.leaf_kind_mismatch(self.name, where, old, new)
-        shapes = self._shapes
-        if shapes and isinstance(old, TensorDictBase) and old.batch_size != new.batch_size:
+        tensordict = isinstance(old, TensorDictBase)
+        if self.shapes and tensordict and old.batch_size != new.batch_size:
             return _errors.batch_size_mismatch(self.name, where, old.batch_size, new.batch_size)
-        old_node, new_node = _tree.one_level(old), _tree.one_level(new)
-        # Children by entry (a key, an index), with the path entry that names them.
-        old_children = {
-            e.entry: (e, c) for e, c in zip(old_node.entries, old_node.children, strict=True)
-        }
-        new_children = {
-            e.entry: (e, c) for e, c in zip(new_node.entries, new_node.children, strict=True)
-        }
+        old_children, old_metadata = _tree.one_level(old)
+        new_children, new_metadata = _tree.one_level(new)
         for key in old_children.keys() - new_children.keys():
-            missing.append(_tree.format_path((*path, old_children[key][0])))
-            if isinstance(old, TensorDictBase):
-                missing_td_keys.append(missing[-1])
+            self.missing.append(_tree.format_path((*path, old_children[key][0])))
+            if tensordict:
+                self.missing_td_keys.append(self.missing[-1])
         for key in new_children.keys() - old_children.keys():
-            extra.append(_tree.format_path((*path, new_children[key][0])))
+            self.extra.append(_tree.format_path((*path, new_children[key][0])))
         for key, (entry, old_child) in old_children.items():
             if key in new_children:
-                error = self._compare(
-                    (*path, entry),
-                    old_child,
-                    new_children[key][1],
-                    missing,
-                    extra,
-                    other,
-                    missing_td_keys,
-                )
+                error = self.trees((*path, entry), old_child, new_children[key][1])
                 if error is not None:
                     return error
         if (
-            not missing
-            and not extra
-            and _meta(old_node.metadata, shapes) != _meta(new_node.metadata, shapes)
+            not self.missing
+            and not self.extra
+            and _meta(old_metadata, self.shapes) != _meta(new_metadata, self.shapes)
         ):
-            other.append(f"{where}: {old_node.metadata!r} at capture, {new_node.metadata!r} now")
+            self.other.append(f"{where}: {old_metadata!r} at capture, {new_metadata!r} now")
         return None
 
-    def _compare_leaves(self, where: str, old: Any, new: Any) -> Exception | None:
+    def leaves(self, where: str, old: Any, new: Any) -> Exception | None:
         old_tensor, new_tensor = isinstance(old, torch.Tensor), isinstance(new, torch.Tensor)
         if old_tensor != new_tensor:
             return _errors.leaf_kind_mismatch(self.name, where, old, new)
@@ -294,20 +271,18 @@ class Signature:
             return _errors.device_mismatch(self.name, where, old.device, new.device)
         if new.dtype != old.dtype:
             return _errors.dtype_mismatch(self.name, where, old.dtype, new.dtype)
-        if self._shapes and new.shape != old.shape:
+        if self.shapes and new.shape != old.shape:
             return _errors.shape_mismatch(self.name, where, old.shape, new.shape)
-        if not self._shapes or not self._requires_grad:  # see `diagnose`
+        if not self.requires_grad or new.requires_grad == old.requires_grad:
             return None
-        if new.requires_grad and not old.requires_grad:
+        if new.requires_grad:
             return _errors.requires_grad(self.name, where)
-        if old.requires_grad and not new.requires_grad:
-            return _errors.no_longer_requires_grad(self.name, where)
-        return None
+        return _errors.no_longer_requires_grad(self.name, where)
 
 
-def _gradless(meta: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A tensor's ``metadata`` without its ``requires_grad`` (the last item)."""
-    return meta[:-1]
+def _gradless(metadata: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Tensors' ``metadata`` without their ``requires_grad`` (the last item)."""
+    return [meta[:-1] for meta in metadata]
 
 
 def _meta(metadata: Any, shapes: bool) -> Any:

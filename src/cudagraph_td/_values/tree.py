@@ -11,6 +11,8 @@ collections are registered lazily, the first time ``flatten`` meets their type.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -44,10 +46,14 @@ def _flatten_tensordict(td: TensorDictBase) -> tuple[list[Any], _TensorDictMeta,
     # Sorted, as optree sorts a dict's keys: the order in which entries were set is not part
     # of a TensorDict's structure, and two calls that differ only by it are the same call.
     keys = tuple(sorted(td.keys()))
-    names = tuple(td.names) if _compat.td_has_names(td) else None
     # NonTensorData entries come wrapped, so that they stay nodes of the tree.
     children = [_compat.td_get(td, key) for key in keys]
-    return children, _TensorDictMeta(keys, td.batch_size, td.device, names), keys
+    return children, _TensorDictMeta(keys, td.batch_size, td.device, _names(td)), keys
+
+
+def _names(td: TensorDictBase) -> tuple[str | None, ...] | None:
+    """A TensorDict's dim names; None where it has none."""
+    return tuple(td.names) if _compat.td_has_names(td) else None
 
 
 def _unflatten_tensordict(cls: type, meta: _TensorDictMeta, children: Any) -> TensorDictBase:
@@ -63,8 +69,10 @@ def _flatten_lazy_stack(td: LazyStackedTensorDict) -> tuple[list[Any], tuple[int
     return list(td.tensordicts), (td.stack_dim, type(td)), None
 
 
-def _unflatten_lazy_stack(meta: tuple[int, type], children: Any) -> LazyStackedTensorDict:
-    stack_dim, cls = meta
+def _unflatten_lazy_stack(
+    cls: type, meta: tuple[int, type], children: Any
+) -> LazyStackedTensorDict:
+    stack_dim, _ = meta
     return cls(*children, stack_dim=stack_dim)  # type: ignore[no-any-return]
 
 
@@ -120,42 +128,29 @@ class NonTensorEntry(optree.GetAttrEntry):
     """Path entry of the value that a ``NonTensorData`` wraps; it prints as nothing."""
 
 
+# Each kind of tensor collection: its flatten and unflatten functions and the type of the path
+# entries of its children. The first kind that a type is a subclass of is its kind: a lazy
+# stack is a TensorDictBase too, and what is none of the first three is a tensorclass.
+_KINDS: tuple[tuple[type, Callable[..., Any], Callable[..., Any], type], ...] = (
+    (NonTensorData, _flatten_non_tensor, _unflatten_non_tensor, NonTensorEntry),
+    (LazyStackedTensorDict, _flatten_lazy_stack, _unflatten_lazy_stack, optree.SequenceEntry),
+    (TensorDictBase, _flatten_tensordict, _unflatten_tensordict, TensorDictKeyEntry),
+    (object, _flatten_tensorclass, _unflatten_tensorclass, optree.GetAttrEntry),
+)
+
+
 def register(cls: type) -> None:
     """Register a tensor collection type as a pytree node in ``NAMESPACE``."""
     if cls in _registered:
         return
-    if issubclass(cls, NonTensorData):
-        _register_node(
-            cls,
-            _flatten_non_tensor,
-            lambda meta, children, cls=cls: _unflatten_non_tensor(cls, meta, children),
-            path_entry_type=NonTensorEntry,
-            namespace=NAMESPACE,
-        )
-    elif issubclass(cls, LazyStackedTensorDict):
-        _register_node(
-            cls,
-            _flatten_lazy_stack,
-            _unflatten_lazy_stack,
-            path_entry_type=optree.SequenceEntry,
-            namespace=NAMESPACE,
-        )
-    elif issubclass(cls, TensorDictBase):
-        _register_node(
-            cls,
-            _flatten_tensordict,
-            lambda meta, children, cls=cls: _unflatten_tensordict(cls, meta, children),
-            path_entry_type=TensorDictKeyEntry,
-            namespace=NAMESPACE,
-        )
-    else:
-        _register_node(
-            cls,
-            _flatten_tensorclass,
-            lambda meta, children, cls=cls: _unflatten_tensorclass(cls, meta, children),
-            path_entry_type=optree.GetAttrEntry,
-            namespace=NAMESPACE,
-        )
+    _, flatten, unflatten, entry = next(kind for kind in _KINDS if issubclass(cls, kind[0]))
+    _register_node(
+        cls,
+        flatten,
+        functools.partial(unflatten, cls),  # which rebuilds a node of this type
+        path_entry_type=entry,
+        namespace=NAMESPACE,
+    )
     _registered.add(cls)
 
 
@@ -174,6 +169,8 @@ def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
     ``optree.tree_flatten`` directly, since every type it can meet is registered by then.
     """
     leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+    # Until no new type is met: a lazy stack, once registered, shows its TensorDicts, whose
+    # type may be new too.
     while _register_new_collections(leaves):
         leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
     return leaves, spec
@@ -210,12 +207,8 @@ def in_key_orders(tree: Any, orders: list[tuple[str, ...]]) -> Any:
         order = next(pending)
         if order == tuple(td.keys()):
             return td
-        return _compat.td_new_unsafe(type(td))(  # type: ignore[no-any-return]
-            source={key: _compat.td_get(td, key) for key in order},
-            batch_size=td.batch_size,
-            device=td.device,
-            names=tuple(td.names) if _compat.td_has_names(td) else None,
-        )
+        meta = _TensorDictMeta(order, td.batch_size, td.device, _names(td))
+        return _unflatten_tensordict(type(td), meta, [_compat.td_get(td, key) for key in order])
 
     return _visit(tree, reorder)
 
@@ -251,11 +244,8 @@ def leaves_with_paths(tree: Any, root: str | None = None) -> list[tuple[str, Any
     The paths read as in ``format_path``; ``root`` names the tree (``None``: a call's
     ``(args, kwargs)``).
     """
+    flatten(tree)  # which registers the tensor collections of types not yet registered
     accessors, leaves, _ = optree.tree_flatten_with_accessor(tree, namespace=NAMESPACE)
-    # Until no new type is met, as in `flatten`: a lazy stack, once registered, shows its
-    # TensorDicts, whose type may be new too.
-    while _register_new_collections(leaves):
-        accessors, leaves, _ = optree.tree_flatten_with_accessor(tree, namespace=NAMESPACE)
     return [(format_path(a, root), leaf) for a, leaf in zip(accessors, leaves, strict=True)]
 
 
@@ -282,21 +272,15 @@ def is_leaf(tree: Any) -> bool:
     return optree.tree_is_leaf(tree, namespace=NAMESPACE)
 
 
-class Node(NamedTuple):
-    """One level of a tree: its children, the path entries naming them, the node's metadata."""
-
-    children: list[Any]
-    entries: list[optree.PyTreeEntry]
-    metadata: Any
-
-
-def one_level(tree: Any) -> Node:
-    """Split a node of the tree into its direct children (for comparing two trees)."""
+def one_level(tree: Any) -> tuple[dict[Any, tuple[optree.PyTreeEntry, Any]], Any]:
+    """A node's direct children by entry (a key, an index), each with the path entry that
+    names it, and the node's metadata (for comparing two trees)."""
     accessors, children, _ = optree.tree_flatten_with_accessor(
         tree, is_leaf=lambda node: node is not tree, namespace=NAMESPACE
     )
     _, metadata, _, _ = optree.tree_flatten_one_level(tree, namespace=NAMESPACE)
-    return Node(children, [accessor[0] for accessor in accessors], metadata)
+    named = zip((accessor[0] for accessor in accessors), children, strict=True)
+    return {entry.entry: (entry, child) for entry, child in named}, metadata
 
 
 def format_path(path: Sequence[optree.PyTreeEntry], root: str | None = None) -> str:
@@ -307,34 +291,31 @@ def format_path(path: Sequence[optree.PyTreeEntry], root: str | None = None) -> 
     ``kwargs``; with ``root``, at a tree of that name. Consecutive TensorDict keys form one
     nested key.
     """
-    entries = list(path)
+    entries = [entry for entry in path if not isinstance(entry, NonTensorEntry)]
     if root is not None:
         out = [root]
     elif not entries:
         return "(args, kwargs)"
     else:
         out = ["args" if entries.pop(0).entry == 0 else "kwargs"]
-    td_keys: list[Any] = []
-    for entry in entries:
-        if isinstance(entry, NonTensorEntry):
-            continue
-        if isinstance(entry, TensorDictKeyEntry):
-            td_keys.append(entry.entry)
-            continue
+    for td_keys, group in itertools.groupby(
+        entries, key=lambda entry: isinstance(entry, TensorDictKeyEntry)
+    ):
         if td_keys:
-            out.append(_format_key(tuple(td_keys)))
-            td_keys = []
-        if isinstance(entry, optree.NamedTupleEntry):
-            out.append(f".{entry.field}")
-        elif isinstance(entry, optree.GetAttrEntry):
-            out.append(f".{entry.entry}")
-        elif isinstance(entry, optree.MappingEntry):
-            out.append(_format_key((entry.entry,)))
+            out.append(_format_key(tuple(entry.entry for entry in group)))
         else:
-            out.append(f"[{entry.entry!r}]")
-    if td_keys:
-        out.append(_format_key(tuple(td_keys)))
+            out.extend(map(_format_entry, group))
     return "".join(out)
+
+
+def _format_entry(entry: optree.PyTreeEntry) -> str:
+    if isinstance(entry, optree.NamedTupleEntry):
+        return f".{entry.field}"
+    if isinstance(entry, optree.GetAttrEntry):
+        return f".{entry.entry}"
+    if isinstance(entry, optree.MappingEntry):
+        return _format_key((entry.entry,))
+    return f"[{entry.entry!r}]"
 
 
 def _format_key(keys: tuple[Any, ...]) -> str:
