@@ -20,9 +20,9 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 
 from cudagraph_td import InputMismatchError
+from cudagraph_td._capture.autograd import DifferentiableCall
 from cudagraph_td._capture.entry import MISS
 from cudagraph_td._values import routes as _routes
-from cudagraph_td._capture.autograd import DifferentiableCall
 from cudagraph_td._values.signature import Signature
 
 from .conftest import Backend, current_runner
