@@ -16,6 +16,7 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import torch
+from tensordict import TensorDictBase
 
 from .._errors import inputs as _errors
 
@@ -47,19 +48,18 @@ class StaticArgs:
                 "static", static, "a tuple of argument positions (int) and names (str)"
             )
         self.name = name
-        parameters = _parameters(fn)
+        names, takes_any_keyword = _parameters(fn)
         self.entries: list[tuple[int | None, str | None]] = []
         for entry in dict.fromkeys(entries):
             if isinstance(entry, int):
                 self.entries.append((entry, None))
-                continue
-            if parameters is not None and entry not in parameters[0] and not parameters[1]:
+            elif entry in names or takes_any_keyword:
+                self.entries.append((names.get(entry), entry))
+            else:
                 raise ValueError(
                     f"{name}(static=...): the function has no argument named {entry!r} (its "
-                    f"arguments: {', '.join(parameters[0]) or 'none'})."
+                    f"arguments: {', '.join(names) or 'none'})."
                 )
-            position = parameters[0].get(entry) if parameters is not None else None
-            self.entries.append((position, entry))
 
     def key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Hashable, ...]:
         """The call's values of the declared arguments, each with its type (``1`` and
@@ -68,13 +68,9 @@ class StaticArgs:
         Raises:
             TypeError: A declared argument is a tensor, or a value that cannot be hashed.
         """
-        key: list[Hashable] = []
         for value, where in self._found(args, kwargs):
-            if value is DEFAULT:
-                key.append(DEFAULT)
-                continue
             path = f'kwargs["{where}"]' if isinstance(where, str) else f"args[{where}]"
-            if isinstance(value, torch.Tensor) or _is_tensordict(value):
+            if isinstance(value, torch.Tensor | TensorDictBase):
                 raise TypeError(
                     f"{self.name}: the static argument {path} is a {type(value).__name__}: "
                     "static arguments are Python values (bools, numbers, strings, enums) "
@@ -87,8 +83,7 @@ class StaticArgs:
                     f"{self.name}: the static argument {path} = {value!r} cannot be hashed, "
                     "so it cannot pick a graph. Pass a bool, number, string, enum or tuple."
                 ) from None
-            key.append((type(value), value))
-        return tuple(key)
+        return self.values(args, kwargs)
 
     def values(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Hashable, ...]:
         """``key`` unchecked, for the graph table (see `_call.table`): the slow path's ``key``
@@ -121,27 +116,19 @@ class StaticArgs:
         return ", ".join(parts)
 
 
-def _parameters(fn: Callable[..., Any]) -> tuple[dict[str, int | None], bool] | None:
+def _parameters(fn: Callable[..., Any]) -> tuple[dict[str, int | None], bool]:
     """The function's parameters: each name's position (None for keyword-only), and whether
-    it takes ``**kwargs``; None when the signature cannot be read."""
+    it takes any keyword (``**kwargs``, or a signature that cannot be read)."""
     target = fn.forward if isinstance(fn, torch.nn.Module) else fn
     try:
-        signature = inspect.signature(target)
+        parameters = inspect.signature(target).parameters.values()
     except (TypeError, ValueError):
-        return None
+        return {}, True
     names: dict[str, int | None] = {}
-    position = 0
-    for parameter in signature.parameters.values():
+    # Positional parameters come first in a signature: their index is their position.
+    for position, parameter in enumerate(parameters):
         if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
             names[parameter.name] = position
-            position += 1
         elif parameter.kind is parameter.KEYWORD_ONLY:
             names[parameter.name] = None
-    has_var_keyword = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
-    return names, has_var_keyword
-
-
-def _is_tensordict(value: Any) -> bool:
-    from tensordict import TensorDictBase
-
-    return isinstance(value, TensorDictBase)
+    return names, any(p.kind is p.VAR_KEYWORD for p in parameters)
