@@ -10,7 +10,6 @@ takes the slow path for another value.
 
 from __future__ import annotations
 
-import enum
 import inspect
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
@@ -19,18 +18,6 @@ import torch
 from tensordict import TensorDictBase
 
 from .._errors import inputs as _errors
-
-
-class _Default(enum.Enum):
-    """A declared argument that the call leaves to its default."""
-
-    DEFAULT = "default"
-
-    def __repr__(self) -> str:
-        return "<default>"
-
-
-DEFAULT = _Default.DEFAULT
 
 
 class StaticArgs:
@@ -63,12 +50,12 @@ class StaticArgs:
 
     def key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Hashable, ...]:
         """The call's values of the declared arguments, each with its type (``1`` and
-        ``True`` are different graphs), or ``DEFAULT`` for one the call leaves out.
+        ``True`` are different graphs), or None for one the call leaves to its default.
 
         Raises:
             TypeError: A declared argument is a tensor, or a value that cannot be hashed.
         """
-        for value, where in self._found(args, kwargs):
+        for where, value in self._found(args, kwargs):
             path = f'kwargs["{where}"]' if isinstance(where, str) else f"args[{where}]"
             if isinstance(value, torch.Tensor | TensorDictBase):
                 raise TypeError(
@@ -89,30 +76,30 @@ class StaticArgs:
         """``key`` unchecked, for the graph table (see `_call.table`): the slow path's ``key``
         raises the errors of a value that cannot pick a graph."""
         return tuple(
-            DEFAULT if value is DEFAULT else (type(value), value)
-            for value, _ in self._found(args, kwargs)
+            None if where is None else (type(value), value)
+            for where, value in self._found(args, kwargs)
         )
 
     def _found(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Iterator[tuple[Any, str | int | None]]:
-        """Each declared argument's value in the call (``DEFAULT`` if left out), with where
-        it was found: its keyword, or its position."""
+    ) -> Iterator[tuple[str | int | None, Any]]:
+        """Where each declared argument was found in the call (its keyword, or its position),
+        and its value; ``(None, None)`` for one left to its default."""
         for position, keyword in self.entries:
             if keyword is not None and keyword in kwargs:
-                yield kwargs[keyword], keyword
+                yield keyword, kwargs[keyword]
             elif position is not None and position < len(args):
-                yield args[position], position
+                yield position, args[position]
             else:
-                yield DEFAULT, None
+                yield None, None
 
     def shown(self, key: tuple[Hashable, ...]) -> str:
         """The values of a graph's static arguments, as ``graphs()`` and ``repr`` show them."""
         parts = []
         for (position, keyword), item in zip(self.entries, key, strict=True):
             label = keyword if keyword is not None else f"args[{position}]"
-            value = item if item is DEFAULT else item[1]  # type: ignore[index]
-            parts.append(f"{label}={value!r}")
+            value = "<default>" if item is None else repr(item[1])  # type: ignore[index]
+            parts.append(f"{label}={value}")
         return ", ".join(parts)
 
 
