@@ -118,13 +118,8 @@ def rows(name: str, out: Any, padded: Batch, size: Batch) -> Any:
 def bucket_for(batch: Batch, buckets: tuple[int, ...] | None) -> Batch | None:
     """The smallest bucket size at least each batch dim (powers of two when ``buckets`` is
     None), or None above the largest bucket."""
-    size = []
-    for n in batch:
-        if buckets is None:
-            size.append(1 << max(0, n - 1).bit_length())
-            continue
-        fit = next((b for b in buckets if b >= n), None)
-        if fit is None:
-            return None
-        size.append(fit)
-    return tuple(size)
+    if buckets is None:  # powers of two
+        return tuple(1 << max(0, n - 1).bit_length() for n in batch)
+    if max(batch) > max(buckets):  # above the largest bucket
+        return None
+    return tuple(min(b for b in buckets if b >= n) for n in batch)
