@@ -68,7 +68,7 @@ def main() -> None:
                 g(td)
         graphs = stateless._current_graphs()
         graphs.runners[None].captured.state = None
-        graphs._paths.clear()  # the replay path built again, without the state check
+        graphs.entries.clear()  # the entry made again, without the state check
         stateless._table.clear()
         for _ in range(2):
             stateless(td)

@@ -36,7 +36,7 @@ import workloads
 from run import time_cpu
 
 import cudagraph_td
-from cudagraph_td._call.replay import ReplayPath
+from cudagraph_td._capture.entry import GraphEntry
 from cudagraph_td._values.signature import metadata
 
 Steps = dict[str, Callable[[], Any]]
@@ -46,10 +46,10 @@ def best(call: Callable[[], Any], calls: int, rounds: int) -> float:
     return min(time_cpu({"call": call}, max(1, calls // 16))["call"] for _ in range(rounds))
 
 
-def _path(wrapper: cudagraph_td.CudaGraphModule) -> ReplayPath:
-    """The replay path of the wrapper's one graph (what a call in its mode runs)."""
-    (path,) = wrapper._table.paths()
-    return path
+def _path(wrapper: cudagraph_td.CudaGraphModule) -> GraphEntry:
+    """The entry of the wrapper's one graph (what a call in its mode replays)."""
+    (entry,) = wrapper._table.entries()
+    return entry
 
 
 def tiny_op(device: torch.device, backend: str) -> Steps:
@@ -58,7 +58,7 @@ def tiny_op(device: torch.device, backend: str) -> Steps:
     for _ in range(3):
         wrapper(x)
     path = _path(wrapper)
-    captured = path._captured
+    captured = path.graph
     static_in, static_out = captured.signature.static_inputs, captured.outputs.static[0]
     expected = captured.signature.expected[0]
     replay = captured._replay  # type: ignore[attr-defined]  # the library's graph launch
@@ -104,7 +104,7 @@ def sac_update(device: torch.device, backend: str) -> Steps:
     for _ in range(3):
         wrapper(batch)
     path = _path(wrapper)
-    captured = path._captured
+    captured = path.graph
     read, write = path._by_position
     assert write is not None
     tensors = read((batch,), {})

@@ -117,6 +117,26 @@ def test_module_state_is_left_as_the_replay_left_it(backend: Backend) -> None:
         torch.testing.assert_close(dict(net.named_buffers())[name], buffer)
 
 
+def test_a_tensor_attribute_is_left_as_the_replay_left_it(backend: Backend) -> None:
+    # A module's tensor attribute (neither parameter nor buffer) counted in place: the eager
+    # run of a verified replay puts it back, as it does buffers.
+    class Counter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = torch.zeros((), device=backend.device)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls.add_(1)
+            return x * 2
+
+    counter = Counter()
+    graphed = backend.wrap(counter, warmup=1, verify=3)
+    with torch.no_grad():
+        for _ in range(5):
+            graphed(backend.randn(3))
+    assert counter.calls.item() == 5
+
+
 def test_a_training_step_is_refused(backend: Backend) -> None:
     net = nn.Linear(3, 1).to(backend.device)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)

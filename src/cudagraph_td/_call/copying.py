@@ -22,7 +22,7 @@ from .._state.search import find_state
 
 def shallow(wrapper: Any, module: Any, options: dict[str, Any]) -> Any:
     """``copy.copy(wrapper)``: a new wrapper of the same function or module."""
-    new = _blank(wrapper)
+    new = object.__new__(type(wrapper))  # made at its first use (see `restore`)
     restore(new, {"module": module, "options": options})
     return new
 
@@ -37,7 +37,7 @@ def deep(
         TypeError: The function reaches modules or optimizers, which its copy (the function
             itself: Python does not copy functions) would share.
     """
-    new = _blank(wrapper)
+    new = object.__new__(type(wrapper))  # made at its first use (see `restore`)
     memo[id(wrapper)] = new  # an object that the function reaches may hold the wrapper
     copied = copy.deepcopy(module, memo)
     if copied is module:
@@ -46,11 +46,6 @@ def deep(
             raise _errors.deepcopy_shares_state(name, module, shared)
     restore(new, {"module": copied, "options": copy.deepcopy(options, memo)})
     return new
-
-
-def _blank(wrapper: Any) -> Any:
-    """A new object of the wrapper's class, not initialised (see `restore`)."""
-    return object.__new__(type(wrapper))
 
 
 def _state_paths(fn: Any) -> list[str]:
@@ -67,7 +62,12 @@ def state(name: str, module: Any, options: dict[str, Any], cls: type) -> dict[st
     Raises:
         TypeError: The function or module cannot be pickled (a local function, a lambda).
     """
-    _check_picklable(name, module, cls)
+    # A clear error before pickling starts: Python's own (``Can't pickle local object``)
+    # would not say what to save instead.
+    try:
+        _DryRun(cls).dump(module)
+    except Exception as error:
+        raise _errors.cannot_pickle(name, module, error) from error
     return {"module": module, "options": {**options, "pool": None}}
 
 
@@ -115,12 +115,3 @@ class _DryRun(pickle.Pickler):
         if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage, self._skip)):
             return id(obj)
         return None
-
-
-def _check_picklable(name: str, module: Any, skip: type) -> None:
-    """Raise a clear error, before pickling starts, if ``module`` cannot be pickled: Python's
-    own (``Can't pickle local object``) would not say what to save instead."""
-    try:
-        _DryRun(skip).dump(module)
-    except Exception as error:
-        raise _errors.cannot_pickle(name, module, error) from error

@@ -31,12 +31,12 @@ def _autocast_state() -> Any:
 def mode_reader(module: Any) -> Callable[[], Mode]:
     """A function that reads the mode of a call of ``module`` now, its reads bound once: the
     graph table calls it at every call (see `_call.table`)."""
-    interaction, grad, autocast, autocast_state = (
-        interaction_type,
-        torch.is_grad_enabled,
-        any_autocast_enabled,
-        _autocast_state,
-    )
+    # The reads bound to the closure's own names: one lookup each at a call, not a global's
+    # and a module attribute's.
+    interaction = interaction_type
+    grad = torch.is_grad_enabled
+    autocast = any_autocast_enabled
+    autocast_state = _autocast_state
 
     def read() -> Mode:
         return (

@@ -10,26 +10,14 @@ takes the slow path for another value.
 
 from __future__ import annotations
 
-import enum
 import inspect
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import torch
+from tensordict import TensorDictBase
 
 from .._errors import inputs as _errors
-
-
-class _Default(enum.Enum):
-    """A declared argument that the call leaves to its default."""
-
-    DEFAULT = "default"
-
-    def __repr__(self) -> str:
-        return "<default>"
-
-
-DEFAULT = _Default.DEFAULT
 
 
 class StaticArgs:
@@ -47,34 +35,29 @@ class StaticArgs:
                 "static", static, "a tuple of argument positions (int) and names (str)"
             )
         self.name = name
-        parameters = _parameters(fn)
+        names, takes_any_keyword = _parameters(fn)
         self.entries: list[tuple[int | None, str | None]] = []
         for entry in dict.fromkeys(entries):
             if isinstance(entry, int):
                 self.entries.append((entry, None))
-                continue
-            if parameters is not None and entry not in parameters[0] and not parameters[1]:
+            elif entry in names or takes_any_keyword:
+                self.entries.append((names.get(entry), entry))
+            else:
                 raise ValueError(
                     f"{name}(static=...): the function has no argument named {entry!r} (its "
-                    f"arguments: {', '.join(parameters[0]) or 'none'})."
+                    f"arguments: {', '.join(names) or 'none'})."
                 )
-            position = parameters[0].get(entry) if parameters is not None else None
-            self.entries.append((position, entry))
 
     def key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Hashable, ...]:
         """The call's values of the declared arguments, each with its type (``1`` and
-        ``True`` are different graphs), or ``DEFAULT`` for one the call leaves out.
+        ``True`` are different graphs), or None for one the call leaves to its default.
 
         Raises:
             TypeError: A declared argument is a tensor, or a value that cannot be hashed.
         """
-        key: list[Hashable] = []
-        for value, where in self._found(args, kwargs):
-            if value is DEFAULT:
-                key.append(DEFAULT)
-                continue
+        for where, value in self._found(args, kwargs):
             path = f'kwargs["{where}"]' if isinstance(where, str) else f"args[{where}]"
-            if isinstance(value, torch.Tensor) or _is_tensordict(value):
+            if isinstance(value, torch.Tensor | TensorDictBase):
                 raise TypeError(
                     f"{self.name}: the static argument {path} is a {type(value).__name__}: "
                     "static arguments are Python values (bools, numbers, strings, enums) "
@@ -87,61 +70,52 @@ class StaticArgs:
                     f"{self.name}: the static argument {path} = {value!r} cannot be hashed, "
                     "so it cannot pick a graph. Pass a bool, number, string, enum or tuple."
                 ) from None
-            key.append((type(value), value))
-        return tuple(key)
+        return self.values(args, kwargs)
 
     def values(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Hashable, ...]:
         """``key`` unchecked, for the graph table (see `_call.table`): the slow path's ``key``
         raises the errors of a value that cannot pick a graph."""
         return tuple(
-            DEFAULT if value is DEFAULT else (type(value), value)
-            for value, _ in self._found(args, kwargs)
+            None if where is None else (type(value), value)
+            for where, value in self._found(args, kwargs)
         )
 
     def _found(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Iterator[tuple[Any, str | int | None]]:
-        """Each declared argument's value in the call (``DEFAULT`` if left out), with where
-        it was found: its keyword, or its position."""
+    ) -> Iterator[tuple[str | int | None, Any]]:
+        """Where each declared argument was found in the call (its keyword, or its position),
+        and its value; ``(None, None)`` for one left to its default."""
         for position, keyword in self.entries:
             if keyword is not None and keyword in kwargs:
-                yield kwargs[keyword], keyword
+                yield keyword, kwargs[keyword]
             elif position is not None and position < len(args):
-                yield args[position], position
+                yield position, args[position]
             else:
-                yield DEFAULT, None
+                yield None, None
 
     def shown(self, key: tuple[Hashable, ...]) -> str:
         """The values of a graph's static arguments, as ``graphs()`` and ``repr`` show them."""
         parts = []
         for (position, keyword), item in zip(self.entries, key, strict=True):
             label = keyword if keyword is not None else f"args[{position}]"
-            value = item if item is DEFAULT else item[1]  # type: ignore[index]
-            parts.append(f"{label}={value!r}")
+            value = "<default>" if item is None else repr(item[1])  # type: ignore[index]
+            parts.append(f"{label}={value}")
         return ", ".join(parts)
 
 
-def _parameters(fn: Callable[..., Any]) -> tuple[dict[str, int | None], bool] | None:
+def _parameters(fn: Callable[..., Any]) -> tuple[dict[str, int | None], bool]:
     """The function's parameters: each name's position (None for keyword-only), and whether
-    it takes ``**kwargs``; None when the signature cannot be read."""
+    it takes any keyword (``**kwargs``, or a signature that cannot be read)."""
     target = fn.forward if isinstance(fn, torch.nn.Module) else fn
     try:
-        signature = inspect.signature(target)
+        parameters = inspect.signature(target).parameters.values()
     except (TypeError, ValueError):
-        return None
+        return {}, True
     names: dict[str, int | None] = {}
-    position = 0
-    for parameter in signature.parameters.values():
+    # Positional parameters come first in a signature: their index is their position.
+    for position, parameter in enumerate(parameters):
         if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
             names[parameter.name] = position
-            position += 1
         elif parameter.kind is parameter.KEYWORD_ONLY:
             names[parameter.name] = None
-    has_var_keyword = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
-    return names, has_var_keyword
-
-
-def _is_tensordict(value: Any) -> bool:
-    from tensordict import TensorDictBase
-
-    return isinstance(value, TensorDictBase)
+    return names, any(p.kind is p.VAR_KEYWORD for p in parameters)

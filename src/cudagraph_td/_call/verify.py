@@ -8,20 +8,20 @@ results and the two sets of inputs (which the function may update in place), lea
 
 The eager run must leave no trace: it runs under ``torch.no_grad()``, inside
 ``torch.random.fork_rng`` (the caller's random numbers stay those of a run without
-``verify=``), and the parameters and buffers it changed in place (running statistics, for
-instance) get back the values the replay left.
+``verify=``), and the parameters, buffers and tensor attributes of modules that it changed in
+place (running statistics, for instance) get back the values the replay left (see
+`_shapes.row_check.StateSnapshot`).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 
 from .._errors import inputs as _errors
-from .._state.search import find_state
+from .._shapes.row_check import StateSnapshot
 from .._values import tree as _tree
 
 
@@ -67,22 +67,20 @@ class Verifier:
             VerificationError: A leaf of the result, or an input updated in place, differs.
         """
         device = entry.runner.backend.device
-        training_step = entry.graph.training_step
         self.done += 1
         self._checked[graph] = self._checked.get(graph, 0) + 1
-        if training_step:
+        if entry.graph.training_step:
             raise _errors.cannot_verify_training_step(self.name)
-        copy_args, copy_kwargs = copies
-        with _state_kept(self.fn, device), torch.no_grad():
-            expected = self.fn(*copy_args, **copy_kwargs)
+        state = StateSnapshot(self.fn)
+        with torch.random.fork_rng([device] if device.type == "cuda" else []), torch.no_grad():
+            expected = self.fn(*copies[0], **copies[1])
+        state.restore_written()  # the replay's values, where the eager run moved them
         difference = _first_difference(out, expected, "output")
         if difference is None:  # the inputs that the function updates in place
             difference = _first_difference((args, kwargs), copies, None)
         if difference is not None:
-            raise VerificationError(self._message(self._checked[graph], *difference))
-
-    def _message(self, replay: int, path: str, detail: str) -> str:
-        return _errors.verification_failed(self.name, replay, path, detail)
+            replay = self._checked[graph]
+            raise VerificationError(_errors.verification_failed(self.name, replay, *difference))
 
 
 def _first_difference(actual: Any, expected: Any, root: str | None) -> tuple[str, str] | None:
@@ -105,23 +103,3 @@ def _first_difference(actual: Any, expected: Any, root: str | None) -> tuple[str
         elif type(a) is not type(e) or a != e:
             return path, f"{a!r} instead of {e!r}."
     return None
-
-
-@contextlib.contextmanager
-def _state_kept(fn: Any, device: torch.device) -> Iterator[None]:
-    """Undo what an eager run of ``fn`` on ``device`` does to random numbers and module state."""
-    _, modules = find_state(fn)
-    tensors = {
-        id(t): t for module in modules.values() for t in (*module.parameters(), *module.buffers())
-    }.values()
-    with torch.no_grad():
-        saved = [(t, t.clone()) for t in tensors]
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        yield
-    with torch.no_grad():
-        for t, before in saved:
-            # Compared by value: some kernels (batch norm's running statistics) write in
-            # place without moving the version counter. Only what changed is written back,
-            # so that the others' version counters (which autograd checks) stay as they were.
-            if not torch.equal(t, before):
-                t.copy_(before)

@@ -25,6 +25,29 @@ from .graphs import ShapeOptions
 _OVERFLOW = ("eager", "raise")
 
 
+def _not_positive(number: Any) -> bool:
+    return isinstance(number, bool) or not isinstance(number, int) or number < 1
+
+
+def _check_limits(max_graphs: Any, overflow: Any) -> None:
+    if _not_positive(max_graphs):
+        raise _errors.invalid_option("max_graphs", max_graphs, "an integer greater than 0")
+    if overflow not in _OVERFLOW:
+        raise _errors.invalid_option("overflow", overflow, _OVERFLOW)
+
+
+def _shown(value: Any) -> str:
+    """A value as it is written: its fields that differ from their defaults, ``sizes`` first
+    and by position."""
+    shown = []
+    for field in dataclasses.fields(value):
+        current = getattr(value, field.name)
+        if current == field.default:
+            continue
+        shown.append(repr(list(current)) if field.name == "sizes" else f"{field.name}={current!r}")
+    return f"{type(value).__name__}({', '.join(shown)})"
+
+
 @dataclass(frozen=True, kw_only=True, repr=False)
 class _Limited:
     """The fields of `Static` and `Exact`: how many graphs per mode, and what comes past."""
@@ -35,8 +58,7 @@ class _Limited:
     def __post_init__(self) -> None:
         _check_limits(self.max_graphs, self.overflow)
 
-    def __repr__(self) -> str:
-        return _shown(self)
+    __repr__ = _shown
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)
@@ -164,8 +186,7 @@ class Buckets:
             # Sorted and hashable: equal lists give equal values, whatever their order.
             object.__setattr__(self, "sizes", tuple(sorted(set(sizes))))
 
-    def __repr__(self) -> str:
-        return _shown(self)
+    __repr__ = _shown
 
 
 Shapes = Static | Exact | Buckets
@@ -174,29 +195,6 @@ Shapes = Static | Exact | Buckets
 _SHORTHANDS: dict[str, type[Shapes]] = {"static": Static, "exact": Exact, "buckets": Buckets}
 
 Static.__module__ = Exact.__module__ = Buckets.__module__ = "cudagraph_td"  # users import them
-
-
-def _not_positive(number: Any) -> bool:
-    return isinstance(number, bool) or not isinstance(number, int) or number < 1
-
-
-def _check_limits(max_graphs: Any, overflow: Any) -> None:
-    if _not_positive(max_graphs):
-        raise _errors.invalid_option("max_graphs", max_graphs, "an integer greater than 0")
-    if overflow not in _OVERFLOW:
-        raise _errors.invalid_option("overflow", overflow, _OVERFLOW)
-
-
-def _shown(value: Any) -> str:
-    """A value as it is written: its fields that differ from their defaults, ``sizes`` first
-    and by position."""
-    shown = []
-    for field in dataclasses.fields(value):
-        current = getattr(value, field.name)
-        if current == field.default:
-            continue
-        shown.append(repr(list(current)) if field.name == "sizes" else f"{field.name}={current!r}")
-    return f"{type(value).__name__}({', '.join(shown)})"
 
 
 class DeprecatedOptions(TypedDict, total=False):
@@ -230,7 +228,7 @@ def resolve(name: str, shapes: Any, deprecated: Mapping[str, Any]) -> tuple[Shap
             raise _errors_shapes.keywords_beside_value(name, shapes, list(deprecated), merged)
         value = shapes
     elif isinstance(shapes, str) and shapes in _SHORTHANDS:
-        value = _folded(name, shapes, dict(deprecated)) if deprecated else _SHORTHANDS[shapes]()
+        value = _folded(name, shapes, deprecated) if deprecated else _SHORTHANDS[shapes]()
     else:
         raise _errors.invalid_option(
             "shapes",
@@ -241,7 +239,7 @@ def resolve(name: str, shapes: Any, deprecated: Mapping[str, Any]) -> tuple[Shap
     return value, internal(value)
 
 
-def _folded(name: str, shorthand: str, deprecated: dict[str, Any]) -> Shapes:
+def _folded(name: str, shorthand: str, deprecated: Mapping[str, Any]) -> Shapes:
     """``shapes=shorthand`` and the deprecated keywords as one value, after a warning."""
     options = dict(deprecated)
     sizes = options.pop("buckets", None)

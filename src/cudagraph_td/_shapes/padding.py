@@ -10,7 +10,9 @@ product with a zero gradient would spread); outputs are sliced back to ``n`` row
 
 from __future__ import annotations
 
-from typing import Any, cast
+import functools
+from collections.abc import Callable
+from typing import Any
 
 import optree
 import torch
@@ -22,24 +24,40 @@ from .._values import tree as _tree
 Batch = tuple[int, ...]
 
 
-def _batched(batch_dims: int) -> Any:
-    """Which nodes of a tree are padded whole: tensors, and tensor collections with batch dims."""
+def _is_batched(node: Any) -> bool:
+    """Whether ``node`` has batch dims to pad and slice: a tensor or a tensor collection."""
+    return isinstance(node, torch.Tensor) or is_tensor_collection(node)
 
-    def is_leaf(node: Any) -> bool:
-        if is_tensor_collection(node):
-            return len(node.batch_size) >= batch_dims
-        return _tree.is_leaf(node)
 
-    return is_leaf
+def _leaf(batch_dims: int, node: Any) -> bool:
+    """Whether ``node`` is a leaf of a tree as padding reads it: tensor collections with
+    ``batch_dims`` batch dims are padded whole, like tensors."""
+    if is_tensor_collection(node):
+        return len(node.batch_size) >= batch_dims
+    return _tree.is_leaf(node)
 
 
 def _leaves(tree: Any, batch_dims: int, root: str | None = None) -> list[tuple[str, Any]]:
-    """``(path, node)`` for the nodes padded whole, and the other leaves."""
+    """``(path, node)`` for the tensors and tensor collections padded whole."""
     _tree.flatten(tree)  # registers the tree's tensor collection types
     accessors, leaves, _ = optree.tree_flatten_with_accessor(
-        cast(Any, tree), is_leaf=_batched(batch_dims), namespace=_tree.NAMESPACE
+        tree, is_leaf=functools.partial(_leaf, batch_dims), namespace=_tree.NAMESPACE
     )
-    return [(_tree.format_path(a, root), leaf) for a, leaf in zip(accessors, leaves, strict=True)]
+    return [
+        (_tree.format_path(accessor, root), leaf)
+        for accessor, leaf in zip(accessors, leaves, strict=True)
+        if _is_batched(leaf)
+    ]
+
+
+def _map(fn: Callable[[Any], Any], tree: Any, batch_dims: int) -> Any:
+    """``tree`` with ``fn(node)`` in place of each tensor and tensor collection padded whole."""
+    return optree.tree_map(
+        lambda node: fn(node) if _is_batched(node) else node,
+        tree,
+        is_leaf=functools.partial(_leaf, batch_dims),
+        namespace=_tree.NAMESPACE,
+    )
 
 
 def batch_of(name: str, args: Any, kwargs: Any, batch_dims: int) -> Batch:
@@ -52,8 +70,6 @@ def batch_of(name: str, args: Any, kwargs: Any, batch_dims: int) -> Batch:
     batch: Batch | None = None
     first = ""
     for path, leaf in _leaves((args, kwargs), batch_dims):
-        if not (isinstance(leaf, torch.Tensor) or is_tensor_collection(leaf)):
-            continue
         shape = tuple(leaf.shape)
         if len(shape) < batch_dims:
             raise _errors_shapes.no_batch_dims(name, path, leaf.shape, batch_dims)
@@ -66,33 +82,22 @@ def batch_of(name: str, args: Any, kwargs: Any, batch_dims: int) -> Batch:
     return batch
 
 
-def _resize_leaf(leaf: Any, size: Batch) -> Any:
+def _resized(node: Any, size: Batch) -> Any:
     for dim, target in enumerate(size):
-        have = leaf.shape[dim]
+        have = node.shape[dim]
         if have > target:
-            leaf = leaf[(slice(None),) * dim + (slice(0, target),)]
+            node = node[(slice(None),) * dim + (slice(0, target),)]
         elif have < target:
-            index = (slice(None),) * dim + (slice(0, 1),)
-            shape = list(leaf.shape)
+            first_row = node[(slice(None),) * dim + (slice(0, 1),)]
+            shape = list(node.shape)
             shape[dim] = target - have
-            leaf = torch.cat([leaf, leaf[index].expand(*shape)], dim)
-    return leaf
+            node = torch.cat([node, first_row.expand(*shape)], dim)
+    return node
 
 
 def resize(args: Any, kwargs: Any, size: Batch) -> tuple[Any, Any]:
     """The call with its batch dims padded (its first rows repeated) or cut to ``size``."""
-
-    def resize_leaf(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor) or is_tensor_collection(leaf):
-            return _resize_leaf(leaf, size)
-        return leaf
-
-    resized: tuple[Any, Any] = optree.tree_map(  # type: ignore[assignment]
-        resize_leaf,
-        cast(Any, (args, kwargs)),
-        is_leaf=_batched(len(size)),
-        namespace=_tree.NAMESPACE,
-    )
+    resized: tuple[Any, Any] = _map(lambda node: _resized(node, size), (args, kwargs), len(size))
     return resized
 
 
@@ -103,35 +108,18 @@ def rows(name: str, out: Any, padded: Batch, size: Batch) -> Any:
         RuntimeError: An output tensor does not start with the padded batch dims (a result
             computed over the batch, which the padded rows change).
     """
-    index = tuple(slice(0, n) for n in size)
-
-    def slice_leaf(path: str, leaf: Any) -> Any:
-        if not (isinstance(leaf, torch.Tensor) or is_tensor_collection(leaf)):
-            return leaf
+    for path, leaf in _leaves(out, len(size), root="output"):
         if tuple(leaf.shape[: len(padded)]) != padded:
             raise _errors_shapes.output_not_batched(name, path, leaf.shape, padded)
-        return leaf[index]
-
-    leaves = _leaves(out, len(size), root="output")
-    sliced = iter([slice_leaf(path, leaf) for path, leaf in leaves])
-    return optree.tree_map(
-        lambda _: next(sliced),
-        cast(Any, out),
-        is_leaf=_batched(len(size)),
-        namespace=_tree.NAMESPACE,
-    )
+    index = tuple(slice(0, n) for n in size)
+    return _map(lambda node: node[index], out, len(size))
 
 
 def bucket_for(batch: Batch, buckets: tuple[int, ...] | None) -> Batch | None:
     """The smallest bucket size at least each batch dim (powers of two when ``buckets`` is
     None), or None above the largest bucket."""
-    size = []
-    for n in batch:
-        if buckets is None:
-            size.append(1 << max(0, n - 1).bit_length())
-            continue
-        fit = next((b for b in buckets if b >= n), None)
-        if fit is None:
-            return None
-        size.append(fit)
-    return tuple(size)
+    if buckets is None:  # powers of two
+        return tuple(1 << max(0, n - 1).bit_length() for n in batch)
+    if max(batch) > max(buckets):  # above the largest bucket
+        return None
+    return tuple(min(b for b in buckets if b >= n) for n in batch)

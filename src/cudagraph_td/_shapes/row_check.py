@@ -21,7 +21,7 @@ import torch
 
 from .._errors import shapes as _errors_shapes
 from .._state.search import find_state
-from .._state.state import module_entries
+from .._state.state import modules_entries
 from .._values import tree as _tree
 from . import padding as _padding
 
@@ -51,18 +51,20 @@ def check_rows(
     other = _other_padding(padded, batch)
     if other is None:  # no floating-point input whose padded rows could differ
         return
-    state = _StateSnapshot(fn)
-    rng = _rng_state()
+    state = StateSnapshot(fn)
+    # Each run from the caller's random state, which is put back after it: the two runs draw
+    # the same numbers, and the check none of the caller's.
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     try:
         with torch.no_grad():
-            first = fn(*padded[0], **padded[1])
-            _set_rng_state(rng)
-            try:
-                second = fn(*other[0], **other[1])
-            except Exception:  # values it refuses in the padded rows: the check is moot
-                second = None
+            with torch.random.fork_rng(devices):
+                first = fn(*padded[0], **padded[1])
+            with torch.random.fork_rng(devices):
+                try:
+                    second = fn(*other[0], **other[1])
+                except Exception:  # values it refuses in the padded rows: the check is moot
+                    second = None
     finally:
-        _set_rng_state(rng)  # the check draws no random numbers of the caller's
         written = state.restore_written()
     if written:
         raise _errors_shapes.padding_moves_state(name, written)
@@ -81,14 +83,11 @@ def _other_padding(padded: tuple[Any, Any], batch: tuple[int, ...]) -> tuple[Any
     leaves, spec = _tree.flatten(padded)
     changed = False
     for i, leaf in enumerate(leaves):
-        if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()):
-            continue
-        leaf = leaves[i] = leaf.clone()
-        for dim, n in enumerate(batch):
-            if n < leaf.shape[dim]:
-                rows = leaf[(slice(None),) * dim + (slice(n, None),)]
-                rows.mul_(-2).add_(1)
-                changed = True
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            leaf = leaves[i] = leaf.clone()
+            for dim, n in enumerate(batch):  # rows n: of a dim not padded, none
+                leaf[(slice(None),) * dim + (slice(n, None),)].mul_(-2).add_(1)
+            changed = True
     return _tree.unflatten(spec, leaves) if changed else None
 
 
@@ -100,18 +99,17 @@ def _close(a: torch.Tensor, b: Any) -> bool:
     return bool(torch.allclose(a, b, rtol=_RTOL, atol=_ATOL, equal_nan=True))
 
 
-class _StateSnapshot:
+class StateSnapshot:
     """The tensors of the modules that a function reaches (parameters, buffers, tensor
-    attributes), copied, to find and undo in-place updates."""
+    attributes), copied, to find and undo the in-place updates of an eager check run (this
+    module's, and ``verify=``'s, see `_call.verify`)."""
 
     def __init__(self, fn: Callable[..., Any]):
         _, modules = find_state(fn)
         seen: set[int] = set()
         self.tensors: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-        for path, module in modules.items():
-            for where, _, _, value in module_entries(path, module):
-                if not isinstance(value, torch.Tensor) or id(value) in seen:
-                    continue
+        for where, _, _, value in modules_entries(modules):
+            if isinstance(value, torch.Tensor) and id(value) not in seen:
                 seen.add(id(value))
                 self.tensors.append((where, value, value.detach().clone()))
 
@@ -126,14 +124,3 @@ class _StateSnapshot:
                 with torch.inference_mode() if tensor.is_inference() else torch.no_grad():
                     tensor.copy_(copy)
         return written
-
-
-def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1])
