@@ -315,7 +315,8 @@ def capture_failure(name: str, stage: str, err: BaseException, device: Any = Non
         "that it runs eagerly with the same inputs."
     )
     cause = next(
-        (hint for phrases, hint in CAPTURE_CAUSES if any(p in text for p in phrases)), unknown
+        (hint for phrases, hint in CAPTURE_CAUSES.items() if any(p in text for p in phrases)),
+        unknown,
     )
     retry = (
         "Nothing was graphed: call `make_graphed_callables` again once it is fixed."
