@@ -4,8 +4,10 @@ Every user error names the offending leaf by its path, shows what was captured a
 received, and says how to fix it. Every message is built here, or, for the state around a
 graph (parameters, optimizers, training steps), in ``_errors.state``, for ``shapes=`` in
 ``_errors.shapes``, for the arguments of ``make_graphed_callables`` in ``_errors.graphed``,
-so that the wording stays consistent across the library; ``docs/sharp-edges.md`` lists
-them by case.
+for copies of a wrapper in ``_errors.copies``, so that the wording stays consistent across
+the library; ``docs/sharp-edges.md`` lists them by case. A message is built first, then
+returned as its error (with, for an ``InputMismatchError``, the path, the captured value and
+the received one), for the caller to raise.
 """
 
 from __future__ import annotations
