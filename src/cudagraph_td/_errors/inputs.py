@@ -4,14 +4,18 @@ Every user error names the offending leaf by its path, shows what was captured a
 received, and says how to fix it. Every message is built here, or, for the state around a
 graph (parameters, optimizers, training steps), in ``_errors.state``, for ``shapes=`` in
 ``_errors.shapes``, for the arguments of ``make_graphed_callables`` in ``_errors.graphed``,
-so that the wording stays consistent across the library; ``docs/sharp-edges.md`` lists
-them by case.
+for copies of a wrapper in ``_errors.copies``, so that the wording stays consistent across
+the library; ``docs/sharp-edges.md`` lists them by case. A message is built first, then
+returned as its error (with, for an ``InputMismatchError``, the path, the captured value and
+the received one), for the caller to raise.
 """
 
 from __future__ import annotations
 
 import linecache
 import os
+import re
+import traceback
 from typing import Any
 
 from .causes import CAPTURE_CAUSES
@@ -69,9 +73,12 @@ class InputKeyError(KeyError):
 InputKeyError.__module__ = "cudagraph_td"  # where users import it from
 
 
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
+def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    return _clip(repr(value), limit)
 
 
 def invalid_option(option: str, value: Any, valid: Any) -> ValueError:
@@ -102,74 +109,62 @@ def _several_structures(name: str) -> str:
 def shape_mismatch(
     name: str, path: str, captured: tuple[int, ...], received: tuple[int, ...]
 ) -> InputMismatchError:
-    return InputMismatchError(
+    message = (
         f"{name} was captured with {path} of shape {tuple(captured)}, but received shape "
         f"{tuple(received)}. A CUDA graph replays fixed shapes: pass an input of the captured "
-        f"shape, {_several_shapes(name)}, {reset_hint(name)}.",
-        path,
-        tuple(captured),
-        tuple(received),
+        f"shape, {_several_shapes(name)}, {reset_hint(name)}."
     )
+    return InputMismatchError(message, path, tuple(captured), tuple(received))
 
 
 def batch_size_mismatch(name: str, path: str, captured: Any, received: Any) -> InputMismatchError:
-    return InputMismatchError(
+    message = (
         f"{name} was captured with {path} of batch size {list(captured)}, but received batch "
         f"size {list(received)}. A CUDA graph replays fixed shapes: pass a TensorDict of the "
-        f"captured batch size, {_several_shapes(name)}, {reset_hint(name)}.",
-        path,
-        tuple(captured),
-        tuple(received),
+        f"captured batch size, {_several_shapes(name)}, {reset_hint(name)}."
     )
+    return InputMismatchError(message, path, tuple(captured), tuple(received))
 
 
 def dtype_mismatch(name: str, path: str, captured: Any, received: Any) -> InputMismatchError:
-    return InputMismatchError(
+    message = (
         f"{name} was captured with {path} of dtype {captured}, but received dtype {received}. "
-        f"The replay does not cast inputs: convert it with `.to({captured})`, {reset_hint(name)}.",
-        path,
-        captured,
-        received,
+        f"The replay does not cast inputs: convert it with `.to({captured})`, {reset_hint(name)}."
     )
+    return InputMismatchError(message, path, captured, received)
 
 
 def device_mismatch(name: str, path: str, captured: Any, received: Any) -> InputMismatchError:
-    return InputMismatchError(
+    message = (
         f"{name} was captured with {path} on device {captured}, but received it on device "
         f"{received}. A graph reads its inputs from one device: move it with "
-        f"`.to('{captured}')` before the call.",
-        path,
-        captured,
-        received,
+        f"`.to('{captured}')` before the call."
     )
+    return InputMismatchError(message, path, captured, received)
 
 
 def overlapping_inputs(name: str, written: str, other: str) -> InputMismatchError:
-    return InputMismatchError(
+    message = (
         f"{name} received {written} and {other} in overlapping memory, and its graph writes "
         f"into {written} in place. The graph works on its own copy of each input, so {other} "
         f"would not see that write, as it does in an eager call: pass tensors that share no "
         f"memory (`.clone()` one of them), or return the new value of {written} instead of "
-        "writing into it.",
-        written,
-        "memory of its own",
-        f"memory shared with {other}",
+        "writing into it."
     )
+    return InputMismatchError(message, written, "memory of its own", f"memory shared with {other}")
 
 
 def input_view_layout(
     name: str, output: str, path: str, captured: Any, received: Any
 ) -> InputMismatchError:
-    return InputMismatchError(
+    message = (
         f"{name}'s {output} is a view of {path}, taken at the capture from a tensor of "
         f"strides {tuple(captured)}; this call's {path} has strides {tuple(received)}, in "
         f"which the same view cannot be taken. Pass {path} in the capture's layout "
         f"(`.contiguous()`, if it was), or return a copy of the view (`.clone()`), "
-        f"{reset_hint(name)}.",
-        path,
-        tuple(captured),
-        tuple(received),
+        f"{reset_hint(name)}."
     )
+    return InputMismatchError(message, path, tuple(captured), tuple(received))
 
 
 def untakeable_input_view(name: str, output: str, path: str) -> ValueError:
@@ -183,26 +178,22 @@ def untakeable_input_view(name: str, output: str, path: str) -> ValueError:
 def cannot_follow(
     name: str, path: str, home: Any, device: Any, state: str, state_device: Any
 ) -> InputMismatchError:
-    return InputMismatchError(
+    message = (
         f"{name} has graphs on {home}, and received {path} on {device}: a graph there would "
         f"read `{state}`, which is on {state_device}. Move the inputs with "
         f"`.to('{state_device}')`, or the module and its optimizer to {device} (the wrapper "
-        "follows them with a new capture).",
-        path,
-        home,
-        device,
+        "follows them with a new capture)."
     )
+    return InputMismatchError(message, path, home, device)
 
 
 def wrong_device_at_capture(name: str, path: str, device: Any, received: Any) -> InputMismatchError:
-    return InputMismatchError(
+    message = (
         f"{name} captures its graph on {device}, but {path} is on {received}. Every tensor "
         f"input of a graph must be on the graph's device: move it with `.to('{device}')`, or "
-        "read it from the enclosing scope if it is a constant of the function.",
-        path,
-        device,
-        received,
+        "read it from the enclosing scope if it is a constant of the function."
     )
+    return InputMismatchError(message, path, device, received)
 
 
 def requires_grad(name: str, path: str) -> RuntimeError:
@@ -242,37 +233,32 @@ def outputs_require_grad(name: str, path: str) -> RuntimeError:
 
 
 def constant_mismatch(name: str, path: str, captured: Any, received: Any) -> InputMismatchError:
-    return InputMismatchError(
+    message = (
         f"{name} was captured with the non-tensor argument {path} = {_short(captured)}, but "
         f"received {_short(received)}. The graph replays the captured value: pass values "
         f"that change between calls as tensors,{_static_hint(name, path)} use one {name} per "
-        f"value, {reset_hint(name)}.",
-        path,
-        captured,
-        received,
+        f"value, {reset_hint(name)}."
     )
+    return InputMismatchError(message, path, captured, received)
 
 
 def _static_hint(name: str, path: str) -> str:
     """How to declare the top-level argument at ``path`` static (``CudaGraphModule``)."""
-    if name.startswith(GRAPHED_CALLABLES):
+    top_level = re.fullmatch(r'args\[(\d+)\]|kwargs\["([^"]*)"\]', path)
+    if name.startswith(GRAPHED_CALLABLES) or top_level is None:
         return ""
-    if path.startswith("args[") and path.endswith("]") and path[5:-1].isdigit():
-        return f" declare it static (`static=({path[5:-1]},)`: a graph per value),"
-    if path.startswith('kwargs["') and path.endswith('"]') and '"' not in path[8:-2]:
-        return f' declare it static (`static=("{path[8:-2]}",)`: a graph per value),'
-    return ""
+    index, keyword = top_level.groups()
+    declared = index if keyword is None else f'"{keyword}"'
+    return f" declare it static (`static=({declared},)`: a graph per value),"
 
 
 def leaf_kind_mismatch(name: str, path: str, captured: Any, received: Any) -> InputMismatchError:
-    return InputMismatchError(
+    message = (
         f"{name} was captured with {path} of type {type(captured).__name__}, but received "
         f"type {type(received).__name__}. Pass the same kind of argument as at capture, "
-        f"{_several_structures(name)}.",
-        path,
-        type(captured),
-        type(received),
+        f"{_several_structures(name)}."
     )
+    return InputMismatchError(message, path, type(captured), type(received))
 
 
 def uncomparable_constant(name: str, path: str, value: Any) -> TypeError:
@@ -308,10 +294,9 @@ def missing_keys(name: str, missing: list[str]) -> InputKeyError:
 
 def missing_keywords(name: str, missing: list[str]) -> InputKeyError:
     """A keyword call of a TensorDict module without some of the tensors its graph reads."""
-    shown = ", ".join(missing)
     return InputKeyError(
-        f"{name} received no {shown}, which the captured graph reads (an in_key of the "
-        f"module). Pass every in_key by keyword, or a TensorDict with every in_key."
+        f"{name} received no {', '.join(missing)}, which the captured graph reads (an in_key "
+        "of the module). Pass every in_key by keyword, or a TensorDict with every in_key."
     )
 
 
@@ -326,27 +311,25 @@ def capture_failure(name: str, stage: str, err: BaseException, device: Any = Non
     """The error raised when the function fails while a graph is warmed up or captured: the
     cause found first, where in the user's code, then what to do. ``device``: the graph's;
     a CUDA capture (not the emulation's, on the CPU) may leave the context capturing."""
-    cuda = device is None or device.type == "cuda"
     text = str(err)
-    cause = next(
-        (hint for phrases, hint in CAPTURE_CAUSES if any(p in text for p in phrases)),
-        None,
+    unknown = (
+        f"the function itself raised {type(err).__name__} (shown above). Fix it, and check "
+        "that it runs eagerly with the same inputs."
     )
-    if cause is None:
-        cause = (
-            f"the function itself raised {type(err).__name__} (shown above). Fix it, and check "
-            "that it runs eagerly with the same inputs."
-        )
+    cause = next(
+        (hint for phrases, hint in CAPTURE_CAUSES.items() if any(p in text for p in phrases)),
+        unknown,
+    )
     retry = (
         "Nothing was graphed: call `make_graphed_callables` again once it is fixed."
         if name.startswith(GRAPHED_CALLABLES)
         else "The wrapper is still usable: call it again to retry, or call `reset()` to start "
         "the warm-up again."
     )
-    where = _user_line(err)
+    cuda = device is None or device.type == "cuda"
     context = " The CUDA context was left out of capture mode." if cuda else ""
     return RuntimeError(
-        f"{name} could not {stage}{where}: {cause} {retry}{context} Original error: "
+        f"{name} could not {stage}{_user_line(err)}: {cause} {retry}{context} Original error: "
         f"{type(err).__name__}: {_short(text, 300)}"
     )
 
@@ -365,23 +348,18 @@ def _user_line(err: BaseException) -> str:
     """`` at file:line (`source`)`` for the innermost frame of the user's code where ``err``
     was raised, or "" if none is found."""
     found = None
-    tb = err.__traceback__
-    while tb is not None:
-        filename = tb.tb_frame.f_code.co_filename
+    for frame, lineno in traceback.walk_tb(err.__traceback__):
+        filename = frame.f_code.co_filename
         if not any(part in filename for part in _NOT_USER_CODE) and not filename.startswith("<"):
-            found = (filename, tb.tb_lineno)
-        tb = tb.tb_next
+            found = (filename, lineno)
     if found is None:
         return ""
-    source = linecache.getline(*found).strip()
-    shown = (
-        os.path.relpath(found[0]) if not os.path.relpath(found[0]).startswith("..") else found[0]
-    )
-    return f" at {shown}:{found[1]}" + (f" (`{_short_source(source)}`)" if source else "")
-
-
-def _short_source(source: str, limit: int = 60) -> str:
-    return source if len(source) <= limit else source[: limit - 3] + "..."
+    filename, lineno = found
+    source = linecache.getline(filename, lineno).strip()
+    shown = os.path.relpath(filename)
+    if shown.startswith(".."):
+        shown = filename
+    return f" at {shown}:{lineno}" + (f" (`{_clip(source, 60)}`)" if source else "")
 
 
 def cpu_output(name: str, path: str, device: Any) -> RuntimeError:

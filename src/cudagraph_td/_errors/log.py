@@ -82,10 +82,7 @@ def recapturing(label: str, reason: str) -> None:
 def ran_eagerly(label: str, reason: str, calls: int) -> None:
     """INFO for the first call of a ``reason`` that ran eagerly, DEBUG for the next ones."""
     level = logging.INFO if calls == 1 else logging.DEBUG
-    if logger.isEnabledFor(level):
-        logger.log(
-            level, "%s: a call ran eagerly (%s); %d such call(s) so far.", label, reason, calls
-        )
+    logger.log(level, "%s: a call ran eagerly (%s); %d such call(s) so far.", label, reason, calls)
 
 
 def no_backward(label: str, replays: int) -> None:

@@ -22,27 +22,23 @@ GraphLimitWarning.__module__ = "cudagraph_td"  # where users import it from
 
 def no_batch_dims(name: str, path: str, shape: Any, batch_dims: int) -> InputMismatchError:
     received = "no tensor" if shape is None else f"shape {list(shape)}"
-    return InputMismatchError(
+    message = (
         f'{name}(shapes="buckets") pads the {batch_dims} leading batch dim(s) of every input '
         f"tensor, but {path} has {received}. Pass values without batch dims as constants "
-        f'(not tensors), set Buckets(batch_dims=...), or use shapes="exact". {_SHARP_EDGES}',
-        path=path,
-        captured=batch_dims,
-        received=shape,
+        f'(not tensors), set Buckets(batch_dims=...), or use shapes="exact". {_SHARP_EDGES}'
     )
+    return InputMismatchError(message, path, captured=batch_dims, received=shape)
 
 
 def batch_dims_differ(
     name: str, first: str, batch: Any, path: str, other: Any
 ) -> InputMismatchError:
-    return InputMismatchError(
+    message = (
         f'{name}(shapes="buckets") pads every input to one batch size, but {first} has batch '
         f"dims {list(batch)} and {path} has {list(other)}. Give every input the same "
-        f'leading dims, or use shapes="exact". {_SHARP_EDGES}',
-        path=path,
-        captured=batch,
-        received=other,
+        f'leading dims, or use shapes="exact". {_SHARP_EDGES}'
     )
+    return InputMismatchError(message, path, captured=batch, received=other)
 
 
 def output_not_batched(name: str, path: str, shape: Any, padded: Any) -> RuntimeError:
@@ -80,31 +76,30 @@ PAST_MAX_STATIC_VALUES = "past max_graphs static values"
 ABOVE_BUCKETS = "above the largest bucket"
 
 
+def _above_buckets(name: str, batch: Any, buckets: Any, elsewhere: bool) -> str:
+    """The start of the messages of a call above the largest bucket (``elsewhere``: a call of
+    another rank of its DDP step)."""
+    where = "and another rank of its DDP step a batch above" if elsewhere else "above"
+    return (
+        f"{name} received batch dims {list(batch)}, {where} its largest bucket {max(buckets)} "
+        f"(sizes {list(buckets)})"
+    )
+
+
 def above_buckets_eager(name: str, batch: Any, buckets: Any, elsewhere: bool = False) -> str:
     """The ``GraphLimitWarning`` of a call above the largest bucket, with overflow="eager"."""
-    where = (
-        f"received batch dims {list(batch)}, and another rank of its DDP step a batch above"
-        if elsewhere
-        else f"received batch dims {list(batch)}, above"
-    )
     return (
-        f"{name} {where} its largest bucket {max(buckets)} (sizes {list(buckets)}): such "
-        "calls run eagerly, without a graph (this warning is issued once; "
-        "`graphs().eager_calls` counts them). Add a larger size to Buckets, or pass "
-        f"Buckets(..., overflow='raise') to refuse them. {_SHARP_EDGES}"
+        f"{_above_buckets(name, batch, buckets, elsewhere)}: such calls run eagerly, without a "
+        "graph (this warning is issued once; `graphs().eager_calls` counts them). Add a larger "
+        f"size to Buckets, or pass Buckets(..., overflow='raise') to refuse them. {_SHARP_EDGES}"
     )
 
 
 def above_buckets(name: str, batch: Any, buckets: Any, elsewhere: bool = False) -> RuntimeError:
-    where = (
-        f"received batch dims {list(batch)}, and another rank of its DDP step a batch above"
-        if elsewhere
-        else f"received batch dims {list(batch)}, above"
-    )
     return RuntimeError(
-        f"{name} {where} its largest bucket {max(buckets)} (sizes {list(buckets)}), with "
-        "overflow='raise'. Add a larger size to Buckets, or pass Buckets(..., "
-        "overflow='eager') to run such calls eagerly (on every rank)."
+        f"{_above_buckets(name, batch, buckets, elsewhere)}, with overflow='raise'. Add a "
+        "larger size to Buckets, or pass Buckets(..., overflow='eager') to run such calls "
+        "eagerly (on every rank)."
     )
 
 
@@ -158,12 +153,8 @@ def deprecated_keywords(name: str, keywords: list[str], value: Any, dropped: lis
     """The warning for the keywords that ``shapes=`` values replace: ``value`` is the call's
     options as one value; ``dropped``, keywords that had no effect without buckets."""
     shown = ", ".join(f"{keyword}=" for keyword in keywords)
-    note = ""
-    if dropped:
-        note = (
-            f" ({', '.join(f'{keyword}=' for keyword in dropped)} had no effect without "
-            "buckets: left out)"
-        )
+    left_out = ", ".join(f"{keyword}=" for keyword in dropped)
+    note = f" ({left_out} had no effect without buckets: left out)" if dropped else ""
     return (
         f"{name}({shown}) is deprecated and will be removed in the next release: the shape "
         f"options are one value now. Pass `shapes={value!r}` instead (from cudagraph_td)"

@@ -27,18 +27,14 @@ def grad_replaced(name: str, param: str, captured: Any, now: Any) -> RuntimeErro
     def describe(grad: Any) -> str:
         return "None" if grad is None else f"a tensor of shape {tuple(grad.shape)}"
 
-    if now is None:
-        cause = (
-            "The step reads that gradient without computing it (it is computed outside the "
-            "function), and eager mode would skip a parameter whose gradient is None, which "
-            "a graph cannot do."
-        )
-    else:
-        cause = (
-            "It is now another tensor (made by a backward outside the function after "
-            "`zero_grad()`, or assigned to `.grad`), which the graph would neither read nor "
-            "write."
-        )
+    cause = (
+        "The step reads that gradient without computing it (it is computed outside the "
+        "function), and eager mode would skip a parameter whose gradient is None, which a "
+        "graph cannot do."
+        if now is None
+        else "It is now another tensor (made by a backward outside the function after "
+        "`zero_grad()`, or assigned to `.grad`), which the graph would neither read nor write."
+    )
     return RuntimeError(
         f"{name} captured a training step that uses the gradient tensor of `{param}` in "
         f"place, but `{param}.grad` was replaced since the capture (captured: "
