@@ -43,6 +43,10 @@ class CapturedCall:
     # Where the graph's launch gives more outputs than the computed ones (an autograd node
     # gives all of them): the indices of those that are not inputs or views of inputs.
     _computed: list[int] | None = None
+    # Each kind's own: replay on checked ``tensors``, return the output tensors in fresh
+    # memory. A graph that writes into inputs or returns some launches through
+    # ``_launch_writing``, which calls it again with ``checked`` set.
+    launch: Callable[..., Sequence[torch.Tensor]]
 
     def __init__(
         self,
@@ -63,16 +67,6 @@ class CapturedCall:
         # `_values.input_views`).
         self.input_views = views
         self._touches_inputs = bool(mutated) or views is not None
-
-    def launch(
-        self, tensors: Sequence[torch.Tensor], ungraded: tuple[str, ...] = (), checked: bool = False
-    ) -> Sequence[torch.Tensor]:
-        """Replay on ``tensors`` (checked); return the output tensors in fresh memory.
-
-        A graph that writes into inputs or returns some launches through
-        ``_launch_writing``, which calls this again with ``checked`` set.
-        """
-        raise NotImplementedError
 
     def _launch_writing(
         self, tensors: Sequence[torch.Tensor], ungraded: tuple[str, ...] = ()

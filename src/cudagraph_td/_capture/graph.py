@@ -123,9 +123,8 @@ def capture(
     # A TensorDict argument returned (`return td`): the graph returns the entries written
     # into it, which each call sets into the caller's (see `_values.input_views`).
     returned = ReturnedTensorDicts.of(result, tensordicts)
-    graphed, form = fn, result
-    if returned is not None:
-        graphed, form = returned.graphed(fn), returned.form(result)
+    graphed = fn if returned is None else returned.graphed(fn)
+    form = result if returned is None else returned.form(result)
     # Outputs that are the caller's inputs or views of them: every call returns them so.
     views = InputViews.of(signature, form, inputs)
     if path:  # captured for autograd, from the eager result
@@ -286,11 +285,11 @@ class GraphRunner:
         elapsed = time.perf_counter() - start
         self.captured = captured
         self.counter += 1
-        autograd = isinstance(captured, DifferentiableCall)
         if isinstance(captured, DifferentiableCall):
             captured.label = self.label  # for its hint (see `_errors.log.no_backward`)
         if logged:
             grown = torch.cuda.memory_reserved(device) - reserved if on_cuda else None
             static = [*captured.signature.static_inputs, *captured.outputs.static]
+            autograd = isinstance(captured, DifferentiableCall)
             _log.captured(self.label, autograd, elapsed, _log.static_bytes(static), grown)
         return result
