@@ -6,13 +6,16 @@ require grad and to the leaves it reads, such as parameters). ``_GraphedFunction
 replays the first in its ``forward`` and the second in its ``backward``, so that autograd
 sees one node whose gradients equal the eager ones. Gradients are returned in fresh memory:
 two backward passes accumulate as in eager mode.
+
+``CapturedCall`` is what this call and the plain one (`_capture.graph.GraphCall`) share: the
+inputs a graph writes or returns, and the launch that handles them, written once.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -27,6 +30,64 @@ from .._values.outputs import FreshCopies, Outputs
 from .._values.signature import Signature
 from . import sharing as _sharing
 from .backend import Backend, CudaBackend, Graph
+from .captured import Bare
+
+
+class CapturedCall:
+    """What both kinds of captured call share (`_capture.captured.Captured`): the inputs that
+    the graph writes in place or returns, and the launch of a graph that writes or returns
+    some (``_launch_writing``, around the subclass's ``launch``)."""
+
+    training_step = False
+    bare: Bare | None = None  # set by a plain one-tensor graph (see `GraphCall`)
+    # Where the graph's launch gives more outputs than the computed ones (an autograd node
+    # gives all of them): the indices of those that are not inputs or views of inputs.
+    _computed: list[int] | None = None
+    # Each kind's own: replay on checked ``tensors``, return the output tensors in fresh
+    # memory. A graph that writes into inputs or returns some launches through
+    # ``_launch_writing``, which calls it again with ``checked`` set.
+    launch: Callable[..., Sequence[torch.Tensor]]
+
+    def __init__(
+        self,
+        signature: Signature,
+        outputs: Outputs,
+        state: State | None,
+        mutated: list[int],
+        views: InputViews | None,
+    ):
+        self.signature = signature
+        self.outputs = outputs
+        self.state = state
+        # The inputs that the graph writes in place, copied back to the caller's tensors;
+        # a call where another input shares their memory is refused (see `_values.aliasing`).
+        self._writes = WrittenInputs(signature, mutated)
+        self._copy_back = self._writes.copy_back
+        # Outputs that are inputs or views of them, taken from the caller's tensors (see
+        # `_values.input_views`).
+        self.input_views = views
+        self._touches_inputs = bool(mutated) or views is not None
+
+    def _launch_writing(
+        self, tensors: Sequence[torch.Tensor], ungraded: tuple[str, ...] = ()
+    ) -> Sequence[torch.Tensor]:
+        """``launch`` for a graph that writes into inputs, or returns some: refused, before
+        anything is copied, if another input shares the memory of one it writes, or if one
+        that it returns a view of is laid out otherwise; the new values of those it writes
+        reach the caller, and those it returns are the caller's, as in eager mode."""
+        views = self.input_views
+        self._writes.check(tensors)
+        if views is not None:
+            views.check(tensors)
+        # After the checks: a training step's watch gives gradients set to `None` back, zeroed.
+        outputs = self.launch(tensors, ungraded, checked=True)
+        if self._writes.indices:
+            self._copy_back(tensors)
+        if views is None:
+            return outputs
+        if self._computed is not None:
+            outputs = [outputs[j] for j in self._computed]
+        return views.result(outputs, tensors)
 
 
 def _leaves_requiring_grad(
@@ -38,26 +99,22 @@ def _leaves_requiring_grad(
     does not go past the nodes of the tensors in ``stop`` (the call's own inputs).
     """
     stop_ids = {id(t) for t in stop}
-    stop_nodes = {t.grad_fn for t in stop if t.grad_fn is not None}
+    seen: set[Any] = {t.grad_fn for t in stop if t.grad_fn is not None}
     found: dict[int, torch.Tensor] = {}
-    seen: set[Any] = set()
     pending: list[Any] = [o.grad_fn for o in outputs if o.grad_fn is not None]
     pending += [o for o in outputs if o.grad_fn is None and o.requires_grad]  # leaf outputs
     while pending:
         node = pending.pop()
-        if isinstance(node, torch.Tensor):
-            if id(node) not in stop_ids:
-                found.setdefault(id(node), node)
-            continue
-        if node in seen or node in stop_nodes:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, torch.Tensor):  # an AccumulateGrad node: a leaf
-            if id(variable) not in stop_ids:
-                found.setdefault(id(variable), variable)
-            continue
-        pending.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+        # A leaf: an output that is one, or the variable of an `AccumulateGrad` node.
+        leaf = node if isinstance(node, torch.Tensor) else getattr(node, "variable", None)
+        if isinstance(leaf, torch.Tensor):
+            if id(leaf) not in stop_ids:
+                found.setdefault(id(leaf), leaf)
+        elif node not in seen:
+            seen.add(node)
+            pending.extend(
+                next_node for next_node, _ in node.next_functions if next_node is not None
+            )
     return list(found.values())
 
 
@@ -116,96 +173,80 @@ class _GraphedFunction(torch.autograd.Function):
         return call.grad_result(fresh)  # type: ignore[no-any-return]
 
 
-class ForwardGraph(NamedTuple):
-    """A captured forward: its graph, outputs, and the tensors its backward reads."""
+class DifferentiableCall(CapturedCall):
+    """A call captured for autograd: a launch replays the forward inside an autograd node.
 
-    graph: Graph
-    outputs: Outputs
-    differentiable: list[int]  # the outputs that require grad, by index
-    saved: list[torch.Tensor]  # what the forward saved for the backward, held alive
-
-
-class BackwardGraph(NamedTuple):
-    """A captured backward: its graph, and its static gradient buffers."""
-
-    graph: Graph
-    grad_outputs: list[torch.Tensor]  # the incoming gradients, one per differentiable output
-    grad_inputs: tuple[torch.Tensor | None, ...]  # the computed ones, per surface tensor
-    grad_slots: list[int]  # for each input of the node, its slot in grad_inputs, or -1
-
-
-class DifferentiableCall:
-    """A call captured for autograd: a launch replays the forward inside an autograd node."""
-
-    training_step = False
-    # A launch goes through the autograd node.
-    bare: tuple[list[torch.Tensor], torch.Tensor, Callable[[], None]] | None = None
+    Built by ``capture.capture_backward`` (see `Capture`) from its captured forward and the
+    backward graph ``bwd_graph``, which reads the incoming gradients from ``grad_outputs``
+    and writes ``grad_inputs`` (one per tensor of ``capture.surface``, ``None`` if unused).
+    """
 
     def __init__(
         self,
-        name: str,
-        signature: Signature,
-        mutated: list[int],
-        params: list[torch.Tensor],
-        forward: ForwardGraph,
-        backward: BackwardGraph,
+        capture: Capture,
+        bwd_graph: Graph,
+        grad_outputs: list[torch.Tensor],
+        grad_inputs: Sequence[torch.Tensor | None],
         state: State | None,
-        order: _sharing.ReplayOrder | None = None,
-        views: InputViews | None = None,
     ):
-        self.name = name
-        self.order = order  # the device's replay order (see `_capture.sharing`); None off CUDA
-        self.signature = signature
-        self.state = state
+        assert capture.outputs is not None and capture.differentiable is not None
+        assert capture.fwd_graph is not None and capture.params is not None
+        signature, outputs, views = capture.signature, capture.outputs, capture.views
+        super().__init__(signature, outputs, state, capture.mutated, views)
+        self.name = capture.name
+        self.label = capture.name  # the graph, as log records name it (set by its `GraphRunner`)
+        # The device's replay order (see `_capture.sharing`); None off CUDA.
+        self.order: _sharing.ReplayOrder | None = None
+        if isinstance(capture.backend, CudaBackend):
+            self.order = _sharing.replay_order(capture.backend.device.index)
         self.static_inputs = signature.static_inputs
         self.n_inputs = len(signature.static_inputs)
-        self.params = params
-        self.outputs = forward.outputs
-        static_outputs = forward.outputs.static
+        self.params = capture.params
+        static_outputs = outputs.static
         # The one output tensor, cloned without a loop; None for any other number.
         self.one_output = static_outputs[0] if len(static_outputs) == 1 else None
-        n_outputs = len(static_outputs)
-        self.non_differentiable = [i for i in range(n_outputs) if i not in forward.differentiable]
+        differentiable = capture.differentiable
+        self.non_differentiable = [i for i in range(len(static_outputs)) if i not in differentiable]
         # The outputs whose incoming gradients the backward copies, by index; None for all.
-        self.picked_grads = forward.differentiable if self.non_differentiable else None
-        self.replay_forward = graph_replay(forward.graph)
-        self.replay_backward = graph_replay(backward.graph)
-        self.static_grad_outputs = backward.grad_outputs
-        computed = [g for g in backward.grad_inputs if g is not None]
+        self.picked_grads = differentiable if self.non_differentiable else None
+        self.replay_forward = graph_replay(capture.fwd_graph)
+        self.replay_backward = graph_replay(bwd_graph)
+        self.static_grad_outputs = grad_outputs
+        computed_slots = [slot for slot, g in enumerate(grad_inputs) if g is not None]
+        computed = [g for g in grad_inputs if g is not None]
         device = computed[0].device if computed else torch.device("cpu")
         self.fresh_grads = FreshCopies(computed, device)
         # The backward's result, from the fresh gradients with `None` appended: for each input
         # of the node (the call, `ungraded`, the tensors, the parameters), the index of its
         # fresh gradient, or of that `None`. One `itemgetter` call builds it.
-        computed_slots = [slot for slot, g in enumerate(backward.grad_inputs) if g is not None]
         fresh_index = {slot: k for k, slot in enumerate(computed_slots)}
         none = len(computed_slots)
+        surface_slot = {i: slot for slot, i in enumerate(capture.grad_inputs)}
+        slots = [surface_slot.get(i, -1) for i in range(self.n_inputs)]
+        slots += range(len(capture.grad_inputs), len(grad_inputs))  # the parameters'
         self.grad_result = operator.itemgetter(
-            none, none, *(fresh_index.get(slot, none) for slot in backward.grad_slots)
+            none, none, *(fresh_index.get(slot, none) for slot in slots)
         )
         self.generation = 0  # the number of forwards replayed: a backward must be the last's
         # The forward, counted by `generation`, at which a call in grad mode logs the hint that
         # no backward ran (see `_errors.log.no_backward`); 0 once a backward ran, or the hint
         # was given. Read from the counter that the forward keeps anyway: one comparison.
         self.hint_at = _log.NO_BACKWARD_REPLAYS
-        self.label = name  # the graph, as log records name it (set by its `GraphRunner`)
-        self._graphs = (forward.graph, backward.graph)  # held for the life of the call
-        self._saved = forward.saved
-        # The inputs that the forward writes in place, copied back to the caller's tensors;
-        # a call where another input shares their memory is refused (see `_values.aliasing`).
-        self._writes = WrittenInputs(signature, mutated)
-        # Outputs that are inputs or views of them, taken from the caller's tensors (see
-        # `_values.input_views`): the node's copies of them are dropped, and autograd gives
-        # their gradients straight to the inputs (the backward graph gets zeros for them).
-        self._views = self.input_views = views
-        self._touches_inputs = bool(mutated) or views is not None
+        self._graphs = (capture.fwd_graph, bwd_graph)  # held for the life of the call
+        self._saved = capture.saved
+        # The caller's tensors that the forward writes get their new values outside autograd.
+        self._copy_back = torch.no_grad()(self._writes.copy_back)
+        # The node gives every output: those that are inputs or views of them (see
+        # `_values.input_views`) are dropped, and autograd gives their gradients straight to
+        # the inputs (the backward graph gets zeros for them).
+        self._computed = views.computed if views is not None else None
 
     def launch(
-        self, tensors: Sequence[torch.Tensor], ungraded: tuple[str, ...] = ()
+        self, tensors: Sequence[torch.Tensor], ungraded: tuple[str, ...] = (), checked: bool = False
     ) -> Sequence[torch.Tensor]:
         """Replay the forward on ``tensors`` (checked) inside the autograd node, whose
         backward refuses to run if ``ungraded`` names inputs (see ``ungraded``)."""
-        if self._touches_inputs:  # decided at capture: the others check nothing
+        if self._touches_inputs and not checked:  # decided at capture: the others check nothing
             return self._launch_writing(tensors, ungraded)
         outputs = _GraphedFunction.apply(self, ungraded, *tensors, *self.params)
         if self.generation == self.hint_at:  # the forwards counted, no backward yet
@@ -220,27 +261,6 @@ class DifferentiableCall:
             _log.no_backward(self.label, self.generation)
         else:
             self.hint_at += _log.NO_BACKWARD_REPLAYS  # counted again from there
-
-    def _launch_writing(
-        self, tensors: Sequence[torch.Tensor], ungraded: tuple[str, ...]
-    ) -> Sequence[torch.Tensor]:
-        """``launch`` for a forward that writes into inputs, or returns some: refused, before
-        anything is copied, if another input shares the memory of one it writes, or if one
-        that it returns a view of is laid out otherwise; the new values of those it writes
-        reach the caller, and those it returns are the caller's, as in eager mode."""
-        views = self._views
-        self._writes.check(tensors)
-        if views is not None:
-            views.check(tensors)
-        outputs = _GraphedFunction.apply(self, ungraded, *tensors, *self.params)
-        if self.generation == self.hint_at:  # the forwards counted, no backward yet
-            self._no_backward()
-        if self._writes.indices:
-            with torch.no_grad():
-                self._writes.copy_back(tensors)
-        if views is not None:
-            return views.result([outputs[j] for j in views.computed], tensors)
-        return outputs  # type: ignore[no-any-return]
 
     def ungraded(self, tensors: Sequence[torch.Tensor]) -> tuple[str, ...]:
         """The paths of ``tensors`` that require grad where the captured inputs did not.
@@ -263,6 +283,23 @@ class DifferentiableCall:
 def _differentiable_leaves(tree: Any) -> list[torch.Tensor]:
     leaves, _ = _tree.flatten(tree)
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+
+
+def _gradients(
+    outputs: Sequence[torch.Tensor],
+    surface: Sequence[torch.Tensor],
+    grad_outputs: Sequence[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of ``outputs`` (for ``grad_outputs``, ones by default) with respect to
+    each tensor of ``surface``, ``None`` for those they do not depend on."""
+    if not outputs or not surface:  # nothing to differentiate: an empty backward
+        return (None,) * len(surface)
+    if grad_outputs is None:
+        grad_outputs = [torch.ones_like(o) for o in outputs]
+    # retain_graph: the emulation and a user's `retain_graph=True` may run it again.
+    return torch.autograd.grad(
+        outputs, surface, grad_outputs=grad_outputs, retain_graph=True, allow_unused=True
+    )
 
 
 class Capture:
@@ -293,26 +330,28 @@ class Capture:
         self.views = views  # the outputs that are inputs or views of them, if any
         self._versions = versions(signature.static_inputs)
         self._ran = False  # whether the forward ran on the static inputs
-        self.call: DifferentiableCall | None = None  # built by capture_backward
-        self._forward: ForwardGraph | None = None
         self.grad_inputs = [i for i, t in enumerate(signature.static_inputs) if t.requires_grad]
         self.example: Any = None  # an eager result, detached: its shapes, for the emulation
-        self.requires_grad: list[bool] | None = None  # which of its tensors require grad
+        self.differentiable: list[int] | None = None  # its tensors that require grad, by index
         self.example_grads: tuple[torch.Tensor | None, ...] | None = None
-        self._params: list[torch.Tensor] | None = None
+        self.params: list[torch.Tensor] | None = None  # the other leaves it differentiates
         self._latest: Any = None  # the outputs of the last forward run, for the backward
+        # The captured forward: its graph, outputs, and what it saved for the backward (held
+        # alive), set by `capture_forward`.
+        self.fwd_graph: Graph | None = None
+        self.outputs: Outputs | None = None
+        self.saved: list[torch.Tensor] = []
 
-    @property
-    def surface(self) -> list[torch.Tensor]:
+    def surface(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """What the backward differentiates with respect to: inputs, then other leaves."""
-        assert self._params is not None
-        return [self.signature.static_inputs[i] for i in self.grad_inputs] + self._params
+        assert self.params is not None
+        return [inputs[i] for i in self.grad_inputs] + self.params
 
     def _discover_params(self, outputs: Any, inputs: Sequence[torch.Tensor]) -> None:
         # The leaves that the outputs depend on, other than the call's inputs: the module's
         # parameters, or any tensor a function reads from its enclosing scope.
-        if self._params is None:
-            self._params = _leaves_requiring_grad(_differentiable_leaves(outputs), inputs)
+        if self.params is None:
+            self.params = _leaves_requiring_grad(_differentiable_leaves(outputs), inputs)
 
     def _run_forward(self) -> Any:
         self._ran = True
@@ -324,23 +363,13 @@ class Capture:
         self, grad_outputs: Sequence[torch.Tensor] | None = None
     ) -> tuple[torch.Tensor | None, ...]:
         outputs = _differentiable_leaves(self._latest)
-        surface = self.surface
-        if not outputs or not surface:  # nothing to differentiate: an empty backward
-            return (None,) * len(surface)
-        if grad_outputs is None:
-            grad_outputs = [torch.ones_like(o) for o in outputs]
-        # retain_graph: the emulation and a user's `retain_graph=True` may run it again.
-        grads = torch.autograd.grad(
-            outputs, surface, grad_outputs=grad_outputs, retain_graph=True, allow_unused=True
-        )
-        return tuple(grads)
+        return _gradients(outputs, self.surface(self.signature.static_inputs), grad_outputs)
 
     def _keep_example(self, example: Any) -> None:
         # Keep no autograd graph of an eager run alive: the capture must create its own.
         leaves, spec = _tree.flatten(example)
-        self.requires_grad = [
-            leaf.requires_grad for leaf in leaves if isinstance(leaf, torch.Tensor)
-        ]
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        self.differentiable = [i for i, t in enumerate(tensors) if t.requires_grad]
         detached = [leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         self.example = _tree.unflatten(spec, detached)
 
@@ -362,19 +391,8 @@ class Capture:
         """
         self._keep_example(example)
         self._discover_params(example, inputs)
-        assert self._params is not None
-        outputs = _differentiable_leaves(example)
-        surface = [inputs[i] for i in self.grad_inputs] + self._params
-        grads = self.backend.warmup(
-            lambda: torch.autograd.grad(
-                outputs,
-                surface,
-                grad_outputs=[torch.ones_like(o) for o in outputs],
-                retain_graph=True,
-                allow_unused=True,
-            )
-        )
-        self.example_grads = tuple(grads)
+        outputs, surface = _differentiable_leaves(example), self.surface(inputs)
+        self.example_grads = self.backend.warmup(lambda: _gradients(outputs, surface))
         self._check_unused()
 
     def _check_unused(self) -> None:
@@ -408,82 +426,33 @@ class Capture:
             ) from err
         # On CUDA the recorded outputs carry the autograd graph; the emulation's are buffers.
         self._discover_params(static_out, self.signature.static_inputs)
-        if self.requires_grad is None:  # no warm-up: the recorded outputs tell
-            self.requires_grad = [
-                leaf.requires_grad
-                for leaf in _tree.flatten(static_out)[0]
-                if isinstance(leaf, torch.Tensor)
-            ]
         outputs = Outputs(self.name, static_out, self.backend.device, allow_grad=True)
-        differentiable = [i for i, r in enumerate(self.requires_grad) if r]
-        self._forward = ForwardGraph(graph, outputs, differentiable, saved)
+        if self.differentiable is None:  # no warm-up: the recorded outputs tell
+            self.differentiable = [i for i, t in enumerate(outputs.static) if t.requires_grad]
+        self.fwd_graph, self.outputs, self.saved = graph, outputs, saved
 
     def capture_backward(self, state: State | None = None) -> DifferentiableCall:
         """Capture the backward of the captured forward; return the complete call, which
         follows ``state`` (see `_state.state`)."""
-        forward = self._forward
-        assert forward is not None and self._params is not None
-        static_outputs = forward.outputs.static
+        assert self.outputs is not None and self.differentiable is not None
+        static_outputs = self.outputs.static
         with torch.no_grad():
-            grad_outputs = [torch.empty_like(static_outputs[i]) for i in forward.differentiable]
+            grad_outputs = [torch.empty_like(static_outputs[i]) for i in self.differentiable]
         try:
             graph, grads = self.backend.capture(
                 lambda: self._run_backward(grad_outputs), like=self.example_grads
             )
         except Exception as err:
             raise _errors.capture_failure(
-                self.name,
-                "capture the backward graph",
-                err,
-                device=self.backend.device,
+                self.name, "capture the backward graph", err, device=self.backend.device
             ) from err
         # Drop the recorded autograd graph: the graphs replay without it, and its gradient
         # accumulators, tied to the capture stream, would make autograd synchronise (and
         # warn) at every backward on the caller's stream.
         self._latest = None
-        forward.outputs.static = [t.detach() for t in static_outputs]
+        self.outputs.static = [t.detach() for t in static_outputs]
         del static_outputs
         assert grads is not None
-        slots = [-1] * len(self.signature.static_inputs)
-        for slot, i in enumerate(self.grad_inputs):
-            slots[i] = slot
-        slots += [len(self.grad_inputs) + k for k in range(len(self._params))]
-        backward = BackwardGraph(graph, grad_outputs, tuple(grads), slots)
-        order = None
-        if isinstance(self.backend, CudaBackend):
-            order = _sharing.replay_order(self.backend.device.index)
-        mutated = self.mutated
         if self._ran:
-            mutated = written(self.signature.static_inputs, self._versions)
-        self.call = DifferentiableCall(
-            self.name,
-            self.signature,
-            mutated,
-            self._params,
-            forward,
-            backward,
-            state,
-            order,
-            self.views,
-        )
-        self._forward = None
-        return self.call
-
-
-def capture_differentiable(
-    name: str,
-    fn: Callable[..., Any],
-    signature: Signature,
-    backend: Backend,
-    example: Any,
-    inputs: list[torch.Tensor],
-    mutated: list[int],
-    state: Callable[[], State | None],
-    views: InputViews | None = None,
-) -> DifferentiableCall:
-    """Capture ``fn`` for autograd, from ``example``, its eager result on ``inputs``; the
-    call follows the ``state()`` found once the forward is captured."""
-    capture = Capture(name, fn, signature, backend, mutated, allow_unused_input=True, views=views)
-    capture.warmup_backward(example, inputs)
-    capture.capture_forward()
-    return capture.capture_backward(state())
+            self.mutated = written(self.signature.static_inputs, self._versions)
+        return DifferentiableCall(self, graph, grad_outputs, grads, state)

@@ -9,7 +9,6 @@ is a complete captured call (`_capture.captured.Captured`) that the replay path 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -25,16 +24,16 @@ from .._errors import state as _errors_state
 from .._state import training as _training
 from .._state.state import Flags, State
 from .._values import tree as _tree
-from .._values.aliasing import WrittenInputs, versions, written
+from .._values.aliasing import versions, written
 from .._values.input_views import InputViews, ReturnedTensorDicts, tensordicts_before
 from .._values.outputs import FreshCopies, Outputs
 from .._values.signature import Signature, validate
 from . import captured as _captured
-from .autograd import DifferentiableCall, capture_differentiable
+from .autograd import Capture, CapturedCall, DifferentiableCall
 from .backend import Backend, Graph
 
 
-class GraphCall:
+class GraphCall(CapturedCall):
     """A plain captured graph (no autograd): its signature, its outputs, how to launch it."""
 
     def __init__(
@@ -47,28 +46,18 @@ class GraphCall:
         state: State | None,
         views: InputViews | None = None,
     ):
-        self.signature = signature
-        self.state = state
+        super().__init__(signature, outputs, state, mutated, views)
         self.graph = graph
-        self.outputs = outputs
         self.training_step = watch is not None
         self._watch = watch
         self._static_inputs = signature.static_inputs
         self._replay = graph_replay(graph)
-        # The inputs that the function writes in place, copied back to the caller's tensors;
-        # a call where another input shares their memory is refused (see `_values.aliasing`).
-        self._writes = WrittenInputs(signature, mutated)
         self._fresh = outputs.copies.make
-        # Outputs that are inputs or views of them, taken from the caller's tensors; only
-        # the others are copied (see `_values.input_views`).
-        self._views = self.input_views = views
-        self._touches_inputs = bool(mutated) or views is not None
-        if views is not None:
+        if views is not None:  # only the outputs that are not inputs or views of them copied
             computed = [outputs.static[j] for j in views.computed]
             self._fresh = FreshCopies(computed, outputs.device).make
         # One tensor in and one out, nothing else to do: the replay path launches it itself.
         one = len(self._static_inputs) == 1 and len(outputs.static) == 1
-        self.bare: tuple[list[torch.Tensor], torch.Tensor, Callable[[], None]] | None = None
         if one and not mutated and watch is None and views is None:
             self.bare = (self._static_inputs, outputs.static[0], self._replay)
 
@@ -82,35 +71,18 @@ class GraphCall:
         mutated = self._writes.indices
         return GraphCall(signature, self.graph, outputs, mutated, self._watch, self.state)
 
-    def launch(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
-        """Copy ``tensors`` (checked) into the static inputs, replay, return fresh outputs."""
-        if self._touches_inputs:  # decided at capture: the others check nothing
+    def launch(
+        self, tensors: Sequence[torch.Tensor], ungraded: tuple[str, ...] = (), checked: bool = False
+    ) -> Sequence[torch.Tensor]:
+        """Copy ``tensors`` (checked) into the static inputs, replay, return fresh outputs
+        (``ungraded`` is for an autograd node's launch: a plain graph has none)."""
+        if self._touches_inputs and not checked:  # decided at capture: the others check nothing
             return self._launch_writing(tensors)
         if self._watch is not None:  # a training step: its gradients and hyperparameters
             self._watch()
         if tensors:
             foreach_copy_(self._static_inputs, tensors)  # type: ignore[arg-type]
         self._replay()
-        return self._fresh()
-
-    def _launch_writing(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
-        """``launch`` for a graph that writes into inputs, or returns some: refused, before
-        anything is copied, if another input shares the memory of one it writes, or if one
-        that it returns a view of is laid out otherwise; the new values of those it writes
-        reach the caller, and those it returns are the caller's, as in eager mode."""
-        views = self._views
-        self._writes.check(tensors)
-        if views is not None:
-            views.check(tensors)
-        # After the checks: the watch gives gradients set to `None` back, zeroed.
-        if self._watch is not None:
-            self._watch()
-        foreach_copy_(self._static_inputs, tensors)  # type: ignore[arg-type]
-        self._replay()
-        if self._writes.indices:
-            self._writes.copy_back(tensors)
-        if views is not None:
-            return views.result(self._fresh(), tensors)
         return self._fresh()
 
 
@@ -140,7 +112,8 @@ def capture(
         raise _errors.capture_failure(
             name, "run the capturing call", err, device=backend.device
         ) from err
-    if observed.after_eager_run() and grad and (path := _path_requiring_grad(result)):
+    path = _path_requiring_grad(result) if grad else None
+    if observed.after_eager_run() and path:
         raise _errors_state.step_output_requires_grad(name, path)
     # The function wrote into these inputs (their version counters moved): each replay
     # copies them back to the caller's tensors. The caller's tensors may share a version
@@ -150,18 +123,19 @@ def capture(
     # A TensorDict argument returned (`return td`): the graph returns the entries written
     # into it, which each call sets into the caller's (see `_values.input_views`).
     returned = ReturnedTensorDicts.of(result, tensordicts)
-    graphed, form = fn, result
-    if returned is not None:
-        graphed, form = returned.graphed(fn), returned.form(result)
+    graphed = fn if returned is None else returned.graphed(fn)
+    form = result if returned is None else returned.form(result)
     # Outputs that are the caller's inputs or views of them: every call returns them so.
     views = InputViews.of(signature, form, inputs)
-    if grad and _path_requiring_grad(result):
-        # Autograd holds the parameters it differentiates: they are followed by identity too.
-        follow = functools.partial(observed.state, name, identity=True, flags="frozen")
-        call = capture_differentiable(
-            name, graphed, signature, backend.for_autograd(), form, inputs, mutated, follow, views
-        )
-        return call, result
+    if path:  # captured for autograd, from the eager result
+        autograd = backend.for_autograd()
+        capture = Capture(name, graphed, signature, autograd, mutated, True, views=views)
+        capture.warmup_backward(form, inputs)
+        capture.capture_forward()
+        # The state found once the forward is captured. Autograd holds the parameters it
+        # differentiates: they are followed by identity too.
+        state = observed.state(name, identity=True, flags="frozen")
+        return capture.capture_backward(state), result
     for t, path in zip(signature.static_inputs, signature.tensor_paths(), strict=True):
         if t.requires_grad:
             raise _errors.requires_grad(name, path)
@@ -283,16 +257,14 @@ class GraphRunner:
         return self._prepare(args, kwargs)
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A warm-up call or the capture, under the capture lock."""
         with capture_turn(self.lock):
             if self.captured is not None:  # captured by another thread while this one waited
                 return self.run(args, kwargs)
-            return self._prepare_locked(args, kwargs)
-
-    def _prepare_locked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        assert self.make_backend is not None
-        backend = self.backend or self.make_backend(args, kwargs)
-        self.backend = backend
-        if self.counter < self.warmup - 1:
+            assert self.make_backend is not None
+            backend = self.backend = self.backend or self.make_backend(args, kwargs)
+            if self.counter >= self.warmup - 1:
+                return self._capture(backend, args, kwargs)
             validate(self.name, args, kwargs, backend.device, allow_grad=torch.is_grad_enabled())
             stage = f"run warm-up call {self.counter + 1} of {self.warmup - 1}"
             try:
@@ -302,22 +274,22 @@ class GraphRunner:
             self.counter += 1
             _log.warmed_up(self.label, self.counter, self.warmup - 1)
             return result
+
+    def _capture(self, backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         logged = _log.logger.isEnabledFor(logging.INFO)
         device = backend.device
         on_cuda = logged and device.type == "cuda"
         reserved = torch.cuda.memory_reserved(device) if on_cuda else 0
         start = time.perf_counter()
-        self.captured, result = capture(self.name, self.fn, args, kwargs, backend)
+        captured, result = capture(self.name, self.fn, args, kwargs, backend)
         elapsed = time.perf_counter() - start
+        self.captured = captured
         self.counter += 1
-        captured = self.captured
         if isinstance(captured, DifferentiableCall):
             captured.label = self.label  # for its hint (see `_errors.log.no_backward`)
         if logged:
             grown = torch.cuda.memory_reserved(device) - reserved if on_cuda else None
-            buffers = _log.static_bytes(
-                [*captured.signature.static_inputs, *captured.outputs.static]
-            )
+            static = [*captured.signature.static_inputs, *captured.outputs.static]
             autograd = isinstance(captured, DifferentiableCall)
-            _log.captured(self.label, autograd, elapsed, buffers, grown)
+            _log.captured(self.label, autograd, elapsed, _log.static_bytes(static), grown)
         return result
