@@ -101,20 +101,26 @@ def _part(name: str) -> str:
     return f"[{name}]" if name.isdigit() else f".{name}"
 
 
+def optimizer_params(
+    path: str, optimizer: torch.optim.Optimizer
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors that ``optimizer`` steps, each with its path."""
+    for i, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            yield f"{path}.param_groups[{i}]['params'][{j}]", p
+
+
 def optimizer_entries(
-    path: str,
-    optimizer: torch.optim.Optimizer,
-    followed: set[int] = frozenset(),  # type: ignore[assignment]
+    path: str, optimizer: torch.optim.Optimizer, followed: set[int]
 ) -> Iterator[Entry]:
     """An optimizer's ``state`` and ``param_groups`` (``load_state_dict`` replaces both), and
     the tensors it steps that are not ``followed`` already (by ``id``: those of the modules),
     each in a dict of its own: their addresses are followed."""
     for key in ("state", "param_groups"):
         yield f"{path}.{key}", optimizer.__dict__, key, optimizer.__dict__[key]
-    for i, group in enumerate(optimizer.param_groups):
-        for j, p in enumerate(group["params"]):
-            if id(p) not in followed:
-                yield f"{path}.param_groups[{i}]['params'][{j}]", {0: p}, 0, p
+    for where, p in optimizer_params(path, optimizer):
+        if id(p) not in followed:
+            yield where, {0: p}, 0, p
 
 
 def optimizer_lengths(path: str, optimizer: torch.optim.Optimizer) -> Iterator[Lengths]:
@@ -285,43 +291,43 @@ def _fresh_check(
 
     What ``holders`` hold at ``keys`` (the first ``len(addresses)`` of them tensors) is
     gathered and mapped in C (no Python loop per tensor or module): the tensors' addresses
-    are compared with ``addresses``, the ``objects`` followed by identity (all, for an
-    ``identity`` graph, else those that are not tensors) with ``operator.is_``, and the
-    ``children`` dicts' values with ``modules`` (by identity: `nn.Module` defines no ``==``).
-    A holder is a dict, or a list or `CELLS` for a binding (see `Binding`). An ``identity``
-    graph compares, in the same list as the children, the ``requires_grad`` of the
-    ``flagged`` tensors with ``flags`` and the lengths of ``lists`` with ``lengths``: read
-    from the capture's objects, once their identities hold.
+    are compared with ``addresses``, the ``children`` dicts' values with ``modules`` (by
+    identity: `nn.Module` defines no ``==``), both in one list, and the ``objects`` followed
+    by identity (all, for an ``identity`` graph, else those that are not tensors) with
+    ``operator.is_``. A holder is a dict, or a list or `CELLS` for a binding (see
+    `Binding`). An ``identity`` graph compares, in the same list as the addresses, the
+    ``requires_grad`` of the ``flagged`` tensors with ``flags`` and the lengths of ``lists``
+    with ``lengths``: read from the capture's objects, once their identities hold.
 
-    Three forms, each the fastest for its case: addresses only, in one list with the
-    children (an inference graph that follows no object by identity); addresses, then
-    identities, each from lists of their own (no list to slice); one list of all that the
-    holders hold, for an ``identity`` graph, whose tensors are followed both ways. (torch's
-    C++ helper for addresses, ``torch._C._tensors_data_ptrs_at_indices_equal``, measured
-    slower on the H100 at every count from 1 to 64 tensors: its three list arguments cost
-    more than the comparison it saves.)
+    Three forms, each the fastest for its case: addresses only (an inference graph that
+    follows no object by identity); addresses, then identities, each from lists of their
+    own (no list to slice); one list of all that the holders hold, for an ``identity``
+    graph, whose tensors are followed both ways. (torch's C++ helper for addresses,
+    ``torch._C._tensors_data_ptrs_at_indices_equal``, measured slower on the H100 at every
+    count from 1 to 64 tensors: its three list arguments cost more than the comparison it
+    saves.)
     """
     count = len(addresses)
-    assert identity or not (flags or lengths), "flags and lengths are read by identity"
-    rest = [*modules, *flags, *lengths]
-    if not rest:
-        rest_same: Callable[[], bool] = _always
-    elif not flags and not lengths:
+    if identity:
+        expected = [*addresses, *modules, *flags, *lengths]
 
-        def rest_same() -> bool:
-            return [*_chain(map(_values, children))] == modules
+        def fresh_and_same() -> bool:
+            try:
+                held = [*map(getitem, holders, keys)]
+                return [
+                    *map(_data_ptr, held[:count]),
+                    *_chain(map(_values, children)),
+                    *map(_requires_grad, flagged),
+                    *map(len, lists),
+                ] == expected and all(map(is_, held, objects))
+            except _GONE:
+                return False
 
-    else:
+        return fresh_and_same
 
-        def rest_same() -> bool:  # and the flags, and the lengths
-            return [
-                *_chain(map(_values, children)),
-                *map(_requires_grad, flagged),
-                *map(len, lists),
-            ] == rest
-
-    if count == len(holders) and not identity:  # addresses only (and the children)
-        expected = [*addresses, *modules]
+    assert not (flags or lengths), "flags and lengths are read by identity"
+    expected = [*addresses, *modules]
+    if count == len(holders):  # addresses only (and the children)
 
         def fresh() -> bool:
             try:
@@ -334,38 +340,20 @@ def _fresh_check(
 
         return fresh
 
-    if not identity:  # the tensors by address, the others by identity: no list to slice
-        tensor_holders, tensor_keys = holders[:count], keys[:count]
-        other_holders, other_keys = holders[count:], keys[count:]
+    # The tensors by address, the others by identity: no list to slice.
+    tensor_holders, tensor_keys = holders[:count], keys[:count]
+    other_holders, other_keys = holders[count:], keys[count:]
 
-        def fresh_and_bound() -> bool:
-            try:
-                return (
-                    [*map(_data_ptr, map(getitem, tensor_holders, tensor_keys))] == addresses
-                    and all(map(is_, map(getitem, other_holders, other_keys), objects))
-                    and rest_same()
-                )
-            except _GONE:
-                return False
-
-        return fresh_and_bound
-
-    def fresh_and_same() -> bool:
+    def fresh_and_bound() -> bool:
         try:
-            held = [*map(getitem, holders, keys)]
-            return (
-                [*map(_data_ptr, held[:count])] == addresses
-                and all(map(is_, held, objects))
-                and rest_same()
-            )
+            return [
+                *map(_data_ptr, map(getitem, tensor_holders, tensor_keys)),
+                *_chain(map(_values, children)),
+            ] == expected and all(map(is_, map(getitem, other_holders, other_keys), objects))
         except _GONE:
             return False
 
-    return fresh_and_same
-
-
-def _always() -> bool:
-    return True
+    return fresh_and_bound
 
 
 # What reading a replaced piece of state raises: a key deleted, an empty cell, a tensor set
