@@ -92,22 +92,29 @@ def _references(obj: Any) -> Iterator[Reference]:
 _MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules"})
 
 
-def _global_names(code: types.CodeType) -> Iterator[str]:
-    yield from code.co_names
-    for const in code.co_consts:  # nested functions and comprehensions
+def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
+    """``code`` and the code of the functions and comprehensions nested in it."""
+    yield code
+    for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            yield from _global_names(const)
+            yield from _code_objects(const)
+
+
+def _global_names(code: types.CodeType) -> Iterator[str]:
+    for each in _code_objects(code):
+        yield from each.co_names
 
 
 def _loaded_globals(code: types.CodeType) -> set[str]:
     """The names that ``code`` reads as globals: `_global_names` holds attribute names too
     (``self.net`` names ``net``), which bind nothing that the function reads."""
     loads = ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS")
-    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname in loads}
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _loaded_globals(const)
-    return names
+    return {
+        ins.argval
+        for each in _code_objects(code)
+        for ins in dis.get_instructions(each)
+        if ins.opname in loads
+    }
 
 
 def _skipped(obj: Any) -> bool:
@@ -184,8 +191,9 @@ class Search:
             child = todo.popleft()
             for parent, name, holder, key in self.referrers.get(child, ()):
                 if (
-                    self._leads_back(parent, child)
-                    or _walked_from(below, child, parent)
+                    self.depths[parent] > self.depths[child]  # a reference met deeper
+                    or _reaches(self.parents, parent, child)  # one reached through the child
+                    or _reaches(below, child, parent)  # the walk back reached it from the child
                     or not self._reads(parent, holder, key)
                 ):
                     continue
@@ -196,17 +204,6 @@ class Search:
                     below[parent] = child
                     todo.append(parent)
         return found
-
-    def _leads_back(self, parent: int, child: int) -> bool:
-        """Whether a reference from ``parent`` to ``child`` is on no way from the root to
-        ``child``: ``parent`` met deeper, or reached through ``child`` (or ``child`` itself)."""
-        if self.depths[parent] > self.depths[child]:
-            return True
-        while parent != child:
-            if parent not in self.parents:
-                return False
-            parent = self.parents[parent]
-        return True
 
     def _reads(self, parent: int, holder: Any, key: Any) -> bool:
         """Whether ``parent`` reads what ``holder[key]`` holds: not so for a function's
@@ -219,13 +216,15 @@ class Search:
         return key in self._loaded[parent]
 
 
-def _walked_from(below: dict[int, int | None], obj: int, other: int) -> bool:
-    """Whether the walk back of `Search.bindings` reached ``obj`` from ``other``."""
-    step: int | None = obj
+def _reaches(links: dict[int, int] | dict[int, int | None], start: int, target: int) -> bool:
+    """Whether ``target`` is ``start`` or is reached from it by following ``links`` (an
+    object to the one it was reached from: `Search.parents`, or the walk back of
+    `Search.bindings`)."""
+    step: int | None = start
     while step is not None:
-        if step == other:
+        if step == target:
             return True
-        step = below[step]
+        step = links.get(step)
     return False
 
 

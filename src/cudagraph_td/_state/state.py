@@ -23,7 +23,6 @@ from __future__ import annotations
 import itertools
 import operator
 import os
-import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
@@ -101,20 +100,26 @@ def _part(name: str) -> str:
     return f"[{name}]" if name.isdigit() else f".{name}"
 
 
+def optimizer_params(
+    path: str, optimizer: torch.optim.Optimizer
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors that ``optimizer`` steps, each with its path."""
+    for i, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            yield f"{path}.param_groups[{i}]['params'][{j}]", p
+
+
 def optimizer_entries(
-    path: str,
-    optimizer: torch.optim.Optimizer,
-    followed: set[int] = frozenset(),  # type: ignore[assignment]
+    path: str, optimizer: torch.optim.Optimizer, followed: set[int]
 ) -> Iterator[Entry]:
     """An optimizer's ``state`` and ``param_groups`` (``load_state_dict`` replaces both), and
     the tensors it steps that are not ``followed`` already (by ``id``: those of the modules),
     each in a dict of its own: their addresses are followed."""
     for key in ("state", "param_groups"):
         yield f"{path}.{key}", optimizer.__dict__, key, optimizer.__dict__[key]
-    for i, group in enumerate(optimizer.param_groups):
-        for j, p in enumerate(group["params"]):
-            if id(p) not in followed:
-                yield f"{path}.param_groups[{i}]['params'][{j}]", {0: p}, 0, p
+    for where, p in optimizer_params(path, optimizer):
+        if id(p) not in followed:
+            yield where, {0: p}, 0, p
 
 
 def optimizer_lengths(path: str, optimizer: torch.optim.Optimizer) -> Iterator[Lengths]:
@@ -189,7 +194,8 @@ class State:
         others = [e for e in self.entries if e[4] is None and not isinstance(e[3], nn.Module)]
         # Each module's children, whole: (where, their dict, its values at capture).
         self.children = [
-            (_parent(e[0]), e[1], [*e[1].values()]) for e in {id(e[1]): e for e in modules}.values()
+            (e[0].removesuffix(_part(e[2])), e[1], [*e[1].values()])
+            for e in {id(e[1]): e for e in modules}.values()
         ]
         # Each tensor whose `requires_grad` is followed, with its flag at capture.
         self.flags = [(e, e[3].requires_grad) for e in tensors if _flag_followed(e[3], flags)]
@@ -197,19 +203,8 @@ class State:
         # Flags and lengths are read from the objects of the capture: those must still be there.
         identity = self.identity = identity or bool(self.flags or self.lengths)
         followed: list[Any] = [*others, *self.bindings]  # by identity, whatever `identity`
-        bound = tensors + followed
         self.fresh: Callable[[], bool] = _fresh_check(
-            [e[1] for e in bound],
-            [e[2] for e in bound],
-            addresses=[e[4] for e in tensors if e[4] is not None],
-            objects=[e[3] for e in (bound if identity else followed)],
-            identity=identity,
-            children=[c[1] for c in self.children],
-            modules=[value for c in self.children for value in c[2]],
-            flagged=[e[3] for e, _ in self.flags],
-            flags=[flag for _, flag in self.flags],
-            lists=[each[1] for each in self.lengths],
-            lengths=[each[3] for each in self.lengths],
+            tensors, followed, self.children, self.flags, self.lengths, identity=identity
         )
 
     def changes(self) -> list[str]:
@@ -262,110 +257,108 @@ def _address(value: Any) -> int | None:
     return _data_ptr(value) if isinstance(value, torch.Tensor) else None
 
 
-def _parent(path: str) -> str:
-    """The path of the module that holds the submodule at ``path``."""
-    return re.sub(r"(\[\d+\]|\.[^.\[]+)$", "", path)
-
-
 def _fresh_check(
-    holders: list[Any],
-    keys: list[Any],
+    tensors: list[tuple[str, Mapping[Any, Any], Any, Any, int | None]],
+    followed: list[Any],
+    children: list[tuple[str, Mapping[Any, Any], list[nn.Module]]],
+    flags: list[tuple[Any, bool]],
+    lengths: list[tuple[str, Sized, str, int]],
     *,
-    addresses: list[int],
-    objects: list[Any],
     identity: bool,
-    children: list[Mapping[Any, Any]],
-    modules: list[nn.Module],
-    flagged: list[torch.Tensor],
-    flags: list[bool],
-    lists: list[Sized],
-    lengths: list[int],
 ) -> Callable[[], bool]:
     """``State.fresh``: a closure over flat lists (no reference to the State, so no cycle).
 
-    What ``holders`` hold at ``keys`` (the first ``len(addresses)`` of them tensors) is
-    gathered and mapped in C (no Python loop per tensor or module): the tensors' addresses
-    are compared with ``addresses``, the ``objects`` followed by identity (all, for an
-    ``identity`` graph, else those that are not tensors) with ``operator.is_``, and the
-    ``children`` dicts' values with ``modules`` (by identity: `nn.Module` defines no ``==``).
-    A holder is a dict, or a list or `CELLS` for a binding (see `Binding`). An ``identity``
-    graph compares, in the same list as the children, the ``requires_grad`` of the
-    ``flagged`` tensors with ``flags`` and the lengths of ``lists`` with ``lengths``: read
-    from the capture's objects, once their identities hold.
+    What the holders of the ``tensors`` and of the ``followed`` objects hold is gathered
+    and mapped in C (no Python loop per tensor or module): the tensors' addresses are
+    compared with those at capture, the ``children`` dicts' values with the modules they
+    held (by identity: `nn.Module` defines no ``==``), both in one list, and the objects
+    followed by identity (all, for an ``identity`` graph, else the ``followed`` ones) with
+    ``operator.is_``. A holder is a dict, or a list or `CELLS` for a binding (see
+    `Binding`). An ``identity`` graph compares, in the same list as the addresses, the
+    ``requires_grad`` of the tensors of ``flags`` and the lengths of the lists of
+    ``lengths``: read from the capture's objects, once their identities hold.
 
-    Three forms, each the fastest for its case: addresses only, in one list with the
-    children (an inference graph that follows no object by identity); addresses, then
-    identities, each from lists of their own (no list to slice); one list of all that the
-    holders hold, for an ``identity`` graph, whose tensors are followed both ways. (torch's
-    C++ helper for addresses, ``torch._C._tensors_data_ptrs_at_indices_equal``, measured
-    slower on the H100 at every count from 1 to 64 tensors: its three list arguments cost
-    more than the comparison it saves.)
+    Four forms, each the fastest for its case: addresses only (an inference graph that
+    follows no object by identity); addresses, then identities, each from lists of their
+    own (no list to slice); one list of all that the holders hold, for an ``identity``
+    graph, whose tensors are followed both ways, with or without flags and lengths (each
+    empty ``map`` would cost ~60 ns a call). (torch's C++ helper for addresses,
+    ``torch._C._tensors_data_ptrs_at_indices_equal``, measured slower on the H100 at every
+    count from 1 to 64 tensors: its three list arguments cost more than the comparison it
+    saves.)
     """
-    count = len(addresses)
-    assert identity or not (flags or lengths), "flags and lengths are read by identity"
-    rest = [*modules, *flags, *lengths]
-    if not rest:
-        rest_same: Callable[[], bool] = _always
-    elif not flags and not lengths:
+    count = len(tensors)
+    bound = tensors + followed
+    holders = [e[1] for e in bound]
+    keys = [e[2] for e in bound]
+    objects = [e[3] for e in (bound if identity else followed)]
+    dicts = [each[1] for each in children]
+    flagged = [e[3] for e, _ in flags]
+    lists = [each[1] for each in lengths]
+    expected = [
+        *(e[4] for e in tensors),
+        *(module for each in children for module in each[2]),
+        *(flag for _, flag in flags),
+        *(each[3] for each in lengths),
+    ]
+    if flags or lengths:  # read from the capture's objects: an `identity` graph's
 
-        def rest_same() -> bool:
-            return [*_chain(map(_values, children))] == modules
+        def fresh_same_and_flagged() -> bool:
+            try:
+                held = [*map(getitem, holders, keys)]
+                return [
+                    *map(_data_ptr, held[:count]),
+                    *_chain(map(_values, dicts)),
+                    *map(_requires_grad, flagged),
+                    *map(len, lists),
+                ] == expected and all(map(is_, held, objects))
+            except _GONE:
+                return False
 
-    else:
+        assert identity, "flags and lengths are read by identity"
+        return fresh_same_and_flagged
 
-        def rest_same() -> bool:  # and the flags, and the lengths
-            return [
-                *_chain(map(_values, children)),
-                *map(_requires_grad, flagged),
-                *map(len, lists),
-            ] == rest
+    if identity:
 
-    if count == len(holders) and not identity:  # addresses only (and the children)
-        expected = [*addresses, *modules]
+        def fresh_and_same() -> bool:
+            try:
+                held = [*map(getitem, holders, keys)]
+                return [
+                    *map(_data_ptr, held[:count]),
+                    *_chain(map(_values, dicts)),
+                ] == expected and all(map(is_, held, objects))
+            except _GONE:
+                return False
+
+        return fresh_and_same
+
+    if count == len(holders):  # addresses only (and the children)
 
         def fresh() -> bool:
             try:
                 return [
                     *map(_data_ptr, map(getitem, holders, keys)),
-                    *_chain(map(_values, children)),
+                    *_chain(map(_values, dicts)),
                 ] == expected
             except _GONE:  # deleted, set to None or to another type, emptied
                 return False
 
         return fresh
 
-    if not identity:  # the tensors by address, the others by identity: no list to slice
-        tensor_holders, tensor_keys = holders[:count], keys[:count]
-        other_holders, other_keys = holders[count:], keys[count:]
+    # The tensors by address, the others by identity: no list to slice.
+    tensor_holders, tensor_keys = holders[:count], keys[:count]
+    other_holders, other_keys = holders[count:], keys[count:]
 
-        def fresh_and_bound() -> bool:
-            try:
-                return (
-                    [*map(_data_ptr, map(getitem, tensor_holders, tensor_keys))] == addresses
-                    and all(map(is_, map(getitem, other_holders, other_keys), objects))
-                    and rest_same()
-                )
-            except _GONE:
-                return False
-
-        return fresh_and_bound
-
-    def fresh_and_same() -> bool:
+    def fresh_and_bound() -> bool:
         try:
-            held = [*map(getitem, holders, keys)]
-            return (
-                [*map(_data_ptr, held[:count])] == addresses
-                and all(map(is_, held, objects))
-                and rest_same()
-            )
+            return [
+                *map(_data_ptr, map(getitem, tensor_holders, tensor_keys)),
+                *_chain(map(_values, dicts)),
+            ] == expected and all(map(is_, map(getitem, other_holders, other_keys), objects))
         except _GONE:
             return False
 
-    return fresh_and_same
-
-
-def _always() -> bool:
-    return True
+    return fresh_and_bound
 
 
 # What reading a replaced piece of state raises: a key deleted, an empty cell, a tensor set

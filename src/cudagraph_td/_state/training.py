@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,12 +26,15 @@ from .._compat import foreach_zero_, version
 from .._errors import state as _errors_state
 from .search import Search
 from .state import (
+    Binding,
+    Entry,
     Flags,
     Lengths,
     State,
     modules_entries,
     optimizer_entries,
     optimizer_lengths,
+    optimizer_params,
     rebound,
 )
 
@@ -60,9 +63,8 @@ class Observation:
             for pname, p in module.named_parameters():
                 params.setdefault(id(p), (f"{path}.{pname}", p))
         for path, opt in optimizers.items():
-            for i, group in enumerate(opt.param_groups):
-                for j, p in enumerate(group["params"]):
-                    params.setdefault(id(p), (f"{path}.param_groups[{i}]['params'][{j}]", p))
+            for where, param in optimizer_params(path, opt):
+                params.setdefault(id(param), (where, param))
         self.params = [(name, p) for name, p in params.values() if p.requires_grad]
         self._before = [_state(p) for _, p in self.params]
         self.touched: list[tuple[str, torch.Tensor]] = []
@@ -90,24 +92,23 @@ class Observation:
         eager = [p.grad for _, p in self.touched]
         with _accumulations(p for _, p in self.touched) as accumulated:
             out = capture()
-        # A gradient tensor that the capture replaced by one of its own: the step drops the
-        # incoming gradient before it reads it (`zero_grad(set_to_none=True)` inside), so a
-        # replay may re-point `.grad` to its own tensor whatever `.grad` is then, as eager
-        # mode binds a new one (another step on the same parameters may have rebound it).
-        self.rebinds = [
-            p.grad is not before and before is not None
-            for (_, p), before in zip(self.touched, eager, strict=True)
-        ]
-        # A gradient tensor that the captured backward adds into (no `zero_grad()` inside, or
-        # `set_to_none=False`): a replay may zero it when `.grad` is `None`, which eager mode
-        # reads as zero, and give it back.
-        self.accumulates = [
-            before is not None and p.grad is before and accumulated.get(id(p)) is before
-            for (_, p), before in zip(self.touched, eager, strict=True)
-        ]
+        self.rebinds, self.accumulates = [], []
         with torch.no_grad():
             for (_, p), before in zip(self.touched, eager, strict=True):
-                if p.grad is not before and p.grad is not None and before is not None:
+                # A gradient tensor that the capture replaced by one of its own: the step drops
+                # the incoming gradient before it reads it (`zero_grad(set_to_none=True)`
+                # inside), so a replay may re-point `.grad` to its own tensor whatever `.grad`
+                # is then, as eager mode binds a new one (another step on the same parameters
+                # may have rebound it).
+                rebinds = p.grad is not before and before is not None
+                # A gradient tensor that the captured backward adds into (no `zero_grad()`
+                # inside, or `set_to_none=False`): a replay may zero it when `.grad` is `None`,
+                # which eager mode reads as zero, and give it back.
+                self.rebinds.append(rebinds)
+                self.accumulates.append(
+                    before is not None and p.grad is before and accumulated.get(id(p)) is before
+                )
+                if rebinds and p.grad is not None and before is not None:
                     p.grad.copy_(before)
         return out
 
@@ -138,20 +139,15 @@ class Observation:
         ``None`` if it reads none. A training step's includes its optimizers' and their
         parameter groups; a graph captured in grad mode follows ``requires_grad`` flags
         (``flags``: see `_state.state.Flags`)."""
-        own = rebound(self._bound)
-        if own:  # the function rebinds module state at each call: a graph cannot follow
-            warnings.warn(
-                _errors_state.rebinds_state(name, [entry[0] for entry in own]),
-                UserWarning,
-                stacklevel=2,
-            )
+        # The function rebinds module state at each call: a graph cannot follow.
+        own = _rebound(name, self._bound, "a new tensor")
         skipped = {(id(entry[1]), entry[2]) for entry in own}
         entries = [
             entry
             for entry in modules_entries(self.modules)
             if (id(entry[1]), entry[2]) not in skipped
         ]
-        stepped = self._stepped() if self.touched else {}
+        stepped = self._stepped()
         followed = {id(entry[3]) for entry in entries}
         lengths: list[Lengths] = []
         for path, opt in stepped.items():
@@ -160,24 +156,21 @@ class Observation:
         # Where the modules and the stepped optimizers were found, as before the call: a
         # binding that the call itself moved is no more the capture's than `own`'s tensors.
         bindings = self._search.bindings([*self.modules.values(), *stepped.values()])
-        moved = rebound(bindings)
-        if moved:
-            warnings.warn(
-                _errors_state.rebinds_state(name, [b[0] for b in moved], "a new object"),
-                UserWarning,
-                stacklevel=2,
-            )
-        gone = {id(b) for b in moved}
-        bindings = [b for b in bindings if id(b) not in gone]
+        moved = {id(b) for b in _rebound(name, bindings, "a new object")}
+        bindings = [b for b in bindings if id(b) not in moved]
         if not entries and not bindings:
             return None
-        return State(
-            entries,
-            identity=identity,
-            bindings=bindings,
-            flags=flags,
-            lengths=lengths,
-        )
+        return State(entries, identity=identity, bindings=bindings, flags=flags, lengths=lengths)
+
+
+def _rebound(name: str, entries: Sequence[Entry | Binding], new: str) -> list[Entry | Binding]:
+    """The ``entries`` that the capturing call rebound (to ``new``), with a warning: the
+    function rebinds them at each call, and a graph reads the objects of its capture."""
+    moved = rebound(entries)
+    if moved:
+        paths = [entry[0] for entry in moved]
+        warnings.warn(_errors_state.rebinds_state(name, paths, new), UserWarning, stacklevel=3)
+    return moved
 
 
 @contextlib.contextmanager
@@ -226,36 +219,29 @@ class Watch:
         name: str,
         params: list[tuple[str, torch.Tensor]],
         optimizers: dict[str, torch.optim.Optimizer],
-        written: set[tuple[int, str]] = frozenset(),  # type: ignore[assignment]
-        rebinds: list[bool] | None = None,
-        accumulates: list[bool] | None = None,
+        written: set[tuple[int, str]],
+        rebinds: list[bool],
+        accumulates: list[bool],
     ):
         self.name = name
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.grads = [p.grad for p in self.params]
-        # The gradients the step drops before reading (see `Observation.record`).
-        self.rebinds = rebinds if rebinds is not None else [False] * len(self.params)
-        # The gradients the graph adds into, which `None` zeroes (see `Observation.record`).
-        self.accumulates = accumulates if accumulates is not None else [False] * len(self.params)
-        # (where, group, keys, values): the hyperparameters that each step reads.
-        self.groups: list[tuple[str, dict[str, Any], tuple[str, ...], tuple[Any, ...]]] = []
-        for path, opt in optimizers.items():
-            for i, group in enumerate(opt.param_groups):
-                keys = tuple(
-                    k
-                    for k in opt.defaults
-                    if k in group and k != "params" and (id(group), k) not in written
-                )
-                where = f"`{path}` ({type(opt).__name__}) param_groups[{i}]"
-                self.groups.append((where, group, keys, tuple(group[k] for k in keys)))
-        self._flatten_groups()
-
-    def _flatten_groups(self) -> None:
-        """Every (group, key, value) that ``__call__`` checks, as three parallel lists."""
-        self._dicts = [group for _, group, keys, _ in self.groups for _ in keys]
-        self._keys = [key for _, _, keys, _ in self.groups for key in keys]
-        self._values = [value for _, _, _, values in self.groups for value in values]
+        self.rebinds = rebinds  # the gradients the step drops before reading
+        self.accumulates = accumulates  # the gradients the graph adds into, which `None` zeroes
+        # The hyperparameters that each step reads: (where, its group, its key).
+        read = [
+            (f"`{path}` ({type(opt).__name__}) param_groups[{i}]", group, key)
+            for path, opt in optimizers.items()
+            for i, group in enumerate(opt.param_groups)
+            for key in opt.defaults
+            if key in group and key != "params" and (id(group), key) not in written
+        ]
+        # As parallel lists, which `__call__` maps in C, with each value at capture.
+        self._wheres = [where for where, _, _ in read]
+        self._groups = [group for _, group, _ in read]
+        self._keys = [key for _, _, key in read]
+        self._values = [group[key] for _, group, key in read]
 
     def __call__(self) -> None:
         # Identity checks, mapped in C over flat lists: the common case, where nothing
@@ -265,14 +251,12 @@ class Watch:
             moved = self._moved_grads()
         try:
             same = all(
-                map(operator.is_, map(operator.getitem, self._dicts, self._keys), self._values)
+                map(operator.is_, map(operator.getitem, self._groups, self._keys), self._values)
             )
         except KeyError:  # a hyperparameter deleted from its group
             same = False
         if not same:
-            for i, (where, group, keys, values) in enumerate(self.groups):
-                self._check_group(i, where, group, keys, values)
-            self._flatten_groups()
+            self._check_hyperparameters()
         if moved is not None:  # every check passed: the gradients can be given back
             self._give_back(*moved)
 
@@ -316,24 +300,21 @@ class Watch:
         for i in back:
             self.params[i].grad = self.grads[i]
 
-    def _check_group(
-        self,
-        i: int,
-        where: str,
-        group: dict[str, Any],
-        keys: tuple[str, ...],
-        values: tuple[Any, ...],
-    ) -> None:
-        for key, value in zip(keys, values, strict=True):
+    def _check_hyperparameters(self) -> None:
+        """Raise for a hyperparameter changed since the capture.
+
+        Equal values in new objects (a scheduler that wrote the same number) pass, and are
+        the ones checked from then on, so that the next replay takes the fast path again.
+        """
+        hyperparameters = zip(self._wheres, self._groups, self._keys, self._values, strict=True)
+        for i, (where, group, key, value) in enumerate(hyperparameters):
             new = group.get(key, _MISSING)
             if new is value:
                 continue
             tensors = isinstance(new, torch.Tensor) or isinstance(value, torch.Tensor)
             if tensors or type(new) is not type(value) or new != value:
                 raise _errors_state.hyperparameter_changed(self.name, where, key, value, new)
-        # Equal values in new objects (a scheduler that wrote the same number): keep checking
-        # the new objects, so that the next replay takes the fast path again.
-        self.groups[i] = (where, group, keys, tuple(group[k] for k in keys))
+            self._values[i] = new
 
 
 _MISSING = object()
