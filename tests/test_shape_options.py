@@ -206,7 +206,7 @@ def test_the_old_keywords_warn_with_the_new_spelling(options: dict[str, Any], va
         "cudagraph_td)."
     ]
     assert record[0].filename == __file__  # at the line that made the wrapper
-    assert graphed._shape_value == value
+    assert graphed._shapes == value
     assert graphed._shapes == CudaGraphModule(torch.tanh, shapes=value, backend="emulate")._shapes
 
 
@@ -231,7 +231,7 @@ def test_the_old_keywords_behave_as_the_new_value(backend: Backend) -> None:
 
 def test_old_keywords_that_had_no_effect_are_left_out_with_a_note() -> None:
     graphed, record = _deprecated(shapes="exact", batch_dims=2, row_independent=True)
-    assert graphed._shape_value == Exact()
+    assert graphed._shapes == Exact()
     message = str(record[0].message)
     assert "Pass `shapes=Exact()` instead" in message
     assert "(batch_dims=, row_independent= had no effect without buckets: left out)" in message

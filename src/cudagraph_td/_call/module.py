@@ -196,11 +196,11 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             raise _errors.invalid_option("verify", verify, "an integer of 0 or more")
         check_options(backend, capture_error_mode)
         name = self._name = type(self).__name__
-        self._shape_value, options = _shape_options.resolve(name, shapes, deprecated)
+        self._shapes = _shape_options.resolve(name, shapes, deprecated)
         if backend == "cuda" and not torch.cuda.is_available():
             raise _errors.no_cuda(name)
-        mode, agreement = _distributed.checked(name, module, warmup, capture_error_mode)
-        self._shapes = options if agreement is None else options._replace(agreement=agreement)
+        # A DDP step's ranks agree on each call's graph (see `_capture.distributed`).
+        mode, self._agreement = _distributed.checked(name, module, warmup, capture_error_mode)
         # The options as given, which a copy is made with (see `_call.copying`); the module's
         # own keys are left for the copy's module to give.
         self._options: dict[str, Any] = {
@@ -212,7 +212,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             "capture_error_mode": capture_error_mode,
             "backend": backend,
             "verify": verify,
-            "shapes": self._shape_value,
+            "shapes": self._shapes,
             "static": static,
         }
         self.module = module
@@ -254,7 +254,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         make_backend = None
         if self._backend_name != "eager":
             make_backend = backend_factory(
-                self._backend_name, self.device, self._pool, mode, self._shapes.agreement
+                self._backend_name, self.device, self._pool, mode, self._agreement
             )
         # What makes the runner of each new graph (nothing in it refers to the wrapper).
         self._new_runner = functools.partial(
@@ -263,7 +263,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         # The graphs by mode, device (None off CUDA; see `_capture.devices`) and static values.
         self._graphs: dict[GraphsKey, Graphs] = {}
         # The entries of its graphs by the key of the calls they answered: what `__call__` runs.
-        self._table = GraphTable(module, self._shapes.shapes != "static", self._static)
+        self._table = GraphTable(module, not isinstance(self._shapes, Static), self._static)
         self._where: GraphsKey | None = None  # the last slow call's
         # Per mode and device, the calls past max_graphs static values (see `_select`).
         self._overflows: dict[tuple[Mode, torch.device | None], Overflow] = {}
@@ -314,7 +314,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         # Not while verify= checks its replays, nor for a DDP step, whose calls agree on their
         # graph first (see `_capture.distributed`).
         settled = verifier is None or not verifier.wants(graph)
-        if answer.servable and settled and self._shapes.agreement is None:
+        if answer.servable and settled and self._agreement is None:
             self._table.add(call_key, entry)
         return answer.result
 
@@ -336,10 +336,11 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
                 _devices.check_follows(self._name, self.module, device, homes[0], args, kwargs)
             if values and self._static_values(mode, device) >= self._shapes.max_graphs:
                 return key, None
-            kind = BucketGraphs if self._shapes.shapes == "buckets" else Graphs
+            kind = BucketGraphs if isinstance(self._shapes, Buckets) else Graphs
             graphs = self._graphs[key] = kind(
                 self._name,
                 self._shapes,
+                self._agreement,
                 self._new_runner,
                 self._routes,
                 self._fn,
@@ -530,8 +531,8 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             "out_keys": self.out_keys,
             "backend": repr(self._backend_name),
         }
-        if self._shape_value != Static():  # the default
-            fields["shapes"] = repr(self._shape_value)
+        if self._shapes != Static():  # the default
+            fields["shapes"] = repr(self._shapes)
         fields["state"] = state
         eager_calls = self._eager_calls()
         if eager_calls:

@@ -21,11 +21,14 @@ from .._values.outputs import Outputs
 from .._values.signature import Signature
 from . import padding as _padding
 from .graphs import Answer, Graphs, exact_key
+from .options import Buckets
 from .row_check import check_rows
 
 
 class BucketGraphs(Graphs):
     """The graphs of one mode, one per bucket size, chosen by the call's batch dims."""
+
+    options: Buckets
 
     _lead: GraphRunner | None = None  # the largest listed bucket's, while it warms up
     # The buckets whose padding was checked (see `_shapes.row_check`), learned at the first call
@@ -35,10 +38,10 @@ class BucketGraphs(Graphs):
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Answer:
         options = self.options
         batch = _padding.batch_of(self.name, args, kwargs, options.batch_dims)
-        size = _padding.bucket_for(batch, options.buckets)
+        size = _padding.bucket_for(batch, options.sizes)
         own = size
-        if options.agreement is not None:  # every rank of a DDP step: the same graph
-            size = options.agreement.largest(size)
+        if self.agreement is not None:  # every rank of a DDP step: the same graph
+            size = self.agreement.largest(size)
         if size is None:  # above every bucket: this call's batch, or another rank's
             return Answer(self._overflow(args, kwargs, batch, elsewhere=own is not None))
         if torch.is_grad_enabled() and not options.row_independent:
@@ -75,7 +78,7 @@ class BucketGraphs(Graphs):
         options = self.options
         if batch == size or size in self._checked or options.row_independent:
             return
-        if options.agreement is None:  # a DDP step is a training step: refused anyway
+        if self.agreement is None:  # a DDP step is a training step: refused anyway
             with capture_turn(self._lock):  # the function runs only under it
                 check_rows(self.name, self._fn, args, kwargs, size, batch)
         self._checked = self._checked | {size}
@@ -84,9 +87,9 @@ class BucketGraphs(Graphs):
         """The buckets captured together with ``size``, largest first (so that the smaller
         graphs reuse its memory): every listed one not captured yet (or, for ``precapture``,
         every power of two up to ``size``); just ``size`` for more than one batch dim."""
-        if len(size) != 1 or not (self.options.buckets or self.precapturing):
+        if len(size) != 1 or not (self.options.sizes or self.precapturing):
             return [size]
-        sizes = self.options.buckets or [1 << k for k in range(size[0].bit_length())]
+        sizes = self.options.sizes or [1 << k for k in range(size[0].bit_length())]
         return [(s,) for s in sorted(sizes, reverse=True) if (s,) not in self.runners]
 
     def _capture_group(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -29,20 +29,10 @@ from .._values import tree as _tree
 from .._values.outputs import Outputs
 from .._values.routes import Route
 from .._values.signature import Signature
+from .options import Buckets, Exact, Static
 
-
-class ShapeOptions(NamedTuple):
-    """The shape options of a wrapper as the library reads them (users write a ``Static``,
-    ``Exact`` or ``Buckets``: see `_shapes.options`)."""
-
-    shapes: str = "static"
-    buckets: tuple[int, ...] | None = None
-    max_graphs: int = 8
-    batch_dims: int = 1
-    overflow: str = "eager"
-    row_independent: bool = False
-    # The ranks' agreement on each call's graph, for a DDP step (`_capture.distributed.Agreement`).
-    agreement: Any = None
+if TYPE_CHECKING:
+    from .._capture.distributed import Agreement
 
 
 class GraphInfo(NamedTuple):
@@ -95,7 +85,8 @@ class Graphs:
     def __init__(
         self,
         name: str,
-        options: ShapeOptions,
+        options: Static | Exact | Buckets,
+        agreement: Agreement | None,
         new_runner: Callable[[], GraphRunner],
         routes: Callable[[Signature, Outputs], list[Route]],
         fn: Callable[..., Any],
@@ -106,6 +97,8 @@ class Graphs:
         self.label = label or name
         self._fn = fn
         self.options = options
+        # The ranks' agreement on each call's graph, for a DDP step (see `_capture.distributed`).
+        self.agreement = agreement
         self.runners: dict[Hashable, GraphRunner] = {}
         # The entry of each runner's captured graph, by the graph's key, and (buckets) of
         # its rows, by the rows' key (see `_shapes.buckets`).
@@ -122,7 +115,7 @@ class Graphs:
     @property
     def captured(self) -> Captured | None:
         """The one graph's captured call ("static"); None otherwise (for the TensorDict layer)."""
-        runner = self.runners.get(None) if self.options.shapes == "static" else None
+        runner = self.runners.get(None) if isinstance(self.options, Static) else None
         return None if runner is None else runner.captured
 
     def captured_any(self) -> bool:
@@ -135,7 +128,7 @@ class Graphs:
     def stage(self) -> str:
         """Where the graphs stand, for the wrapper's ``repr``."""
         captured = sum(runner.captured is not None for runner in self.runners.values())
-        if self.options.shapes != "static":
+        if not isinstance(self.options, Static):
             return f"{captured} of {len(self.runners)} graphs captured"
         if captured:
             return "captured: calls replay the graph"
@@ -146,13 +139,12 @@ class Graphs:
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Answer:
         """Warm up, capture or replay the call's graph (the one place that picks it)."""
-        shapes = self.options.shapes
-        key = None if shapes == "static" else exact_key(args, kwargs)
-        if key is not None and self.options.agreement is not None:
-            self.options.agreement.same(key, _shown(key))
+        key = None if isinstance(self.options, Static) else exact_key(args, kwargs)
+        if key is not None and self.agreement is not None:
+            self.agreement.same(key, _shown(key))
         runner = self.runners.get(key)
         if runner is None:
-            if self.runners and shapes == "exact":
+            if self.runners and isinstance(self.options, Exact):
                 self._admit(key, args, kwargs)
                 if len(self.runners) >= self.options.max_graphs:
                     return Answer(self._overflow(args, kwargs, None))
@@ -229,12 +221,11 @@ class Graphs:
         this rank, or on another rank of a DDP step: ``elsewhere``): eager, or an error."""
         options = self.options
         if batch is not None:
+            assert isinstance(options, Buckets)
             if options.overflow == "raise":
-                raise _errors_shapes.above_buckets(self.name, batch, options.buckets, elsewhere)
+                raise _errors_shapes.above_buckets(self.name, batch, options.sizes, elsewhere)
             reason = _errors_shapes.ABOVE_BUCKETS
-            message = _errors_shapes.above_buckets_eager(
-                self.name, batch, options.buckets, elsewhere
-            )
+            message = _errors_shapes.above_buckets_eager(self.name, batch, options.sizes, elsewhere)
         else:
             reason = _errors_shapes.PAST_MAX_GRAPHS
             seen = [_shown(k) for k in self.runners]
@@ -297,7 +288,7 @@ class Overflow:
     largest bucket): the function run eagerly, after a ``GraphLimitWarning`` (once per
     reason), or an error. ``calls`` counts the eager calls by reason, for ``graphs()``."""
 
-    def __init__(self, options: ShapeOptions, label: str):
+    def __init__(self, options: Static | Exact | Buckets, label: str):
         self.options = options
         self.label = label  # the graphs', in log records
         self.calls: dict[str, int] = {}

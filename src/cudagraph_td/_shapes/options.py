@@ -2,8 +2,8 @@
 
 Each is a small, immutable value that checks its fields when it is made, so a wrong option
 raises where it is written. ``resolve`` turns the ``shapes=`` argument of a wrapper (a value,
-or the shorthand ``"static"``, ``"exact"``, ``"buckets"``) into the internal
-`_shapes.graphs.ShapeOptions`, which the rest of the library reads.
+or the shorthand ``"static"``, ``"exact"``, ``"buckets"``) into the value, which the graphs of
+the wrapper read (`_shapes.graphs`).
 
 The keywords that these values replace (``buckets=``, ``max_graphs=``, ``batch_dims=``,
 ``overflow=``, ``row_independent=``) are accepted for one release more: ``resolve`` folds them
@@ -20,7 +20,6 @@ from typing import Any, Literal, TypedDict
 
 from .._errors import inputs as _errors
 from .._errors import shapes as _errors_shapes
-from .graphs import ShapeOptions
 
 _OVERFLOW = ("eager", "raise")
 
@@ -210,9 +209,8 @@ class DeprecatedOptions(TypedDict, total=False):
 _DEPRECATED = DeprecatedOptions.__optional_keys__
 
 
-def resolve(name: str, shapes: Any, deprecated: Mapping[str, Any]) -> tuple[Shapes, ShapeOptions]:
-    """The ``shapes=`` value of a wrapper ``name`` (the deprecated keywords folded in), and
-    its internal form. Warns (``FutureWarning``) at the wrapper's caller for such keywords.
+def resolve(name: str, shapes: Any, deprecated: Mapping[str, Any]) -> Shapes:
+    """The ``shapes=`` value of a wrapper ``name`` (the deprecated keywords folded in). Warns (``FutureWarning``) at the wrapper's caller for such keywords.
 
     Raises:
         TypeError: A keyword that the wrapper does not take, or deprecated keywords beside a
@@ -236,7 +234,7 @@ def resolve(name: str, shapes: Any, deprecated: Mapping[str, Any]) -> tuple[Shap
             "Static(...), Exact(...) or Buckets(...) (from cudagraph_td), or one of "
             "'static', 'exact', 'buckets'",
         )
-    return value, internal(value)
+    return value
 
 
 def _folded(name: str, shorthand: str, deprecated: Mapping[str, Any]) -> Shapes:
@@ -266,19 +264,3 @@ def _merged(value: Shapes, deprecated: Mapping[str, Any]) -> Shapes | None:
         return dataclasses.replace(value, **changes)
     except (TypeError, ValueError):  # not a field of it, or not a valid value
         return None
-
-
-def internal(value: Shapes) -> ShapeOptions:
-    """The form of a ``shapes=`` value that the rest of the library reads."""
-    if isinstance(value, Buckets):
-        sizes = None if value.sizes is None else tuple(value.sizes)
-        return ShapeOptions(
-            "buckets",
-            sizes,
-            value.max_graphs,
-            value.batch_dims,
-            value.overflow,
-            value.row_independent,
-        )
-    kind = "static" if isinstance(value, Static) else "exact"
-    return ShapeOptions(kind, max_graphs=value.max_graphs, overflow=value.overflow)

@@ -11,7 +11,7 @@ product with a zero gradient would spread); outputs are sliced back to ``n`` row
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
@@ -115,7 +115,7 @@ def rows(name: str, out: Any, padded: Batch, size: Batch) -> Any:
     return _map(lambda node: node[index], out, len(size))
 
 
-def bucket_for(batch: Batch, buckets: tuple[int, ...] | None) -> Batch | None:
+def bucket_for(batch: Batch, buckets: Sequence[int] | None) -> Batch | None:
     """The smallest bucket size at least each batch dim (powers of two when ``buckets`` is
     None), or None above the largest bucket."""
     if buckets is None:  # powers of two
