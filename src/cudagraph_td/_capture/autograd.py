@@ -6,9 +6,6 @@ require grad and to the leaves it reads, such as parameters). ``_GraphedFunction
 replays the first in its ``forward`` and the second in its ``backward``, so that autograd
 sees one node whose gradients equal the eager ones. Gradients are returned in fresh memory:
 two backward passes accumulate as in eager mode.
-
-``CapturedCall`` is what this call and the plain one (`_capture.graph.GraphCall`) share: the
-inputs a graph writes or returns, and the launch that handles them, written once.
 """
 
 from __future__ import annotations
@@ -24,70 +21,13 @@ from .._errors import inputs as _errors
 from .._errors import log as _log
 from .._state.state import State
 from .._values import tree as _tree
-from .._values.aliasing import WrittenInputs, versions, written
+from .._values.aliasing import versions, written
 from .._values.input_views import InputViews
 from .._values.outputs import FreshCopies, Outputs
 from .._values.signature import Signature
 from . import sharing as _sharing
 from .backend import Backend, CudaBackend, Graph
-from .captured import Bare
-
-
-class CapturedCall:
-    """What both kinds of captured call share (`_capture.captured.Captured`): the inputs that
-    the graph writes in place or returns, and the launch of a graph that writes or returns
-    some (``_launch_writing``, around the subclass's ``launch``)."""
-
-    training_step = False
-    bare: Bare | None = None  # set by a plain one-tensor graph (see `GraphCall`)
-    # Where the graph's launch gives more outputs than the computed ones (an autograd node
-    # gives all of them): the indices of those that are not inputs or views of inputs.
-    _computed: list[int] | None = None
-    # Each kind's own: replay on checked ``tensors``, return the output tensors in fresh
-    # memory. A graph that writes into inputs or returns some launches through
-    # ``_launch_writing``, which calls it again with ``checked`` set.
-    launch: Callable[..., Sequence[torch.Tensor]]
-
-    def __init__(
-        self,
-        signature: Signature,
-        outputs: Outputs,
-        state: State | None,
-        mutated: list[int],
-        views: InputViews | None,
-    ):
-        self.signature = signature
-        self.outputs = outputs
-        self.state = state
-        # The inputs that the graph writes in place, copied back to the caller's tensors;
-        # a call where another input shares their memory is refused (see `_values.aliasing`).
-        self._writes = WrittenInputs(signature, mutated)
-        self._copy_back = self._writes.copy_back
-        # Outputs that are inputs or views of them, taken from the caller's tensors (see
-        # `_values.input_views`).
-        self.input_views = views
-        self._touches_inputs = bool(mutated) or views is not None
-
-    def _launch_writing(
-        self, tensors: Sequence[torch.Tensor], ungraded: tuple[str, ...] = ()
-    ) -> Sequence[torch.Tensor]:
-        """``launch`` for a graph that writes into inputs, or returns some: refused, before
-        anything is copied, if another input shares the memory of one it writes, or if one
-        that it returns a view of is laid out otherwise; the new values of those it writes
-        reach the caller, and those it returns are the caller's, as in eager mode."""
-        views = self.input_views
-        self._writes.check(tensors)
-        if views is not None:
-            views.check(tensors)
-        # After the checks: a training step's watch gives gradients set to `None` back, zeroed.
-        outputs = self.launch(tensors, ungraded, checked=True)
-        if self._writes.indices:
-            self._copy_back(tensors)
-        if views is None:
-            return outputs
-        if self._computed is not None:
-            outputs = [outputs[j] for j in self._computed]
-        return views.result(outputs, tensors)
+from .captured import Captured
 
 
 def _leaves_requiring_grad(
@@ -173,7 +113,7 @@ class _GraphedFunction(torch.autograd.Function):
         return call.grad_result(fresh)  # type: ignore[no-any-return]
 
 
-class DifferentiableCall(CapturedCall):
+class DifferentiableCall(Captured):
     """A call captured for autograd: a launch replays the forward inside an autograd node.
 
     Built by ``capture.capture_backward`` (see `Capture`) from its captured forward and the

@@ -1,21 +1,22 @@
-"""A captured call: what every replay path needs of it, and its checked replay.
+"""A captured call: what both kinds have in common, and its checked replay.
 
 A capture (`_capture.graph.capture`) builds a captured call complete: a plain graph
 (`_capture.graph.GraphCall`) or a forward and backward pair in one autograd node
-(`_capture.autograd.DifferentiableCall`). ``Captured`` is what they have in common, which
-the replay paths (`_call.replay`) and the graphs of several shapes (`_shapes`) read; ``call``
-is the slow path's replay of one: the full check, which raises the error naming the leaf,
-then the launch.
+(`_capture.autograd.DifferentiableCall`). ``Captured`` is their base: what a graph's entry
+(`_capture.entry`) and the graphs of several shapes (`_shapes`) read, and the launch of a
+graph that writes into inputs or returns some, written once; ``call`` is the slow path's
+replay of one: the full check, which raises the error naming the leaf, then the launch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from .._state.state import State
+from .._values.aliasing import WrittenInputs
 from .._values.input_views import InputViews, into_callers
 from .._values.outputs import Outputs
 from .._values.signature import Signature
@@ -28,19 +29,66 @@ Kwargs = dict[str, Any]
 Bare = tuple[list[torch.Tensor], torch.Tensor, Callable[[], None]]
 
 
-class Captured(Protocol):
-    """A captured call, built complete at capture: what every replay path needs of it."""
+class Captured:
+    """A captured call, built complete at capture: what every entry reads of it (its
+    signature: the static inputs, the full check and its errors; its outputs: their
+    structure and static tensors; the state it reads, see `_state.state`; whether it is a
+    training step, which cannot be verified), the inputs that its graph writes in place or
+    returns, and the launch of a graph that writes or returns some (``_launch_writing``,
+    around the subclass's ``launch``). Its two kinds: a plain graph
+    (`_capture.graph.GraphCall`), and a forward and backward pair in one autograd node
+    (`_capture.autograd.DifferentiableCall`)."""
 
-    signature: Signature  # the inputs: static buffers, the full check and its errors
-    outputs: Outputs  # the outputs: their structure, and the static tensors
-    state: State | None  # the parameters, buffers, optimizers it reads (see `_state.state`)
-    training_step: bool  # whether it updates parameters (a step cannot be verified)
-    bare: Bare | None
-    input_views: InputViews | None  # outputs that are inputs or views of them, if any
+    training_step = False
+    bare: Bare | None = None  # set by a plain one-tensor graph (see `GraphCall`)
+    # Where the graph's launch gives more outputs than the computed ones (an autograd node
+    # gives all of them): the indices of those that are not inputs or views of inputs.
+    _computed: list[int] | None = None
+    # Each kind's own: replay on checked ``tensors``, return the output tensors in fresh
+    # memory. A graph that writes into inputs or returns some launches through
+    # ``_launch_writing``, which calls it again with ``checked`` set.
+    launch: Callable[..., Sequence[torch.Tensor]]
 
-    def launch(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
-        """Replay on checked input tensors; return the output tensors in fresh memory."""
-        ...
+    def __init__(
+        self,
+        signature: Signature,
+        outputs: Outputs,
+        state: State | None,
+        mutated: list[int],
+        views: InputViews | None,
+    ):
+        self.signature = signature
+        self.outputs = outputs
+        self.state = state
+        # The inputs that the graph writes in place, copied back to the caller's tensors;
+        # a call where another input shares their memory is refused (see `_values.aliasing`).
+        self._writes = WrittenInputs(signature, mutated)
+        self._copy_back = self._writes.copy_back
+        # Outputs that are inputs or views of them, taken from the caller's tensors (see
+        # `_values.input_views`).
+        self.input_views = views
+        self._touches_inputs = bool(mutated) or views is not None
+
+    def _launch_writing(
+        self, tensors: Sequence[torch.Tensor], ungraded: tuple[str, ...] = ()
+    ) -> Sequence[torch.Tensor]:
+        """``launch`` for a graph that writes into inputs, or returns some: refused, before
+        anything is copied, if another input shares the memory of one it writes, or if one
+        that it returns a view of is laid out otherwise; the new values of those it writes
+        reach the caller, and those it returns are the caller's, as in eager mode."""
+        views = self.input_views
+        self._writes.check(tensors)
+        if views is not None:
+            views.check(tensors)
+        # After the checks: a training step's watch gives gradients set to `None` back, zeroed.
+        outputs = self.launch(tensors, ungraded, checked=True)
+        if self._writes.indices:
+            self._copy_back(tensors)
+        if views is None:
+            return outputs
+        if self._computed is not None:
+            outputs = [outputs[j] for j in self._computed]
+        return views.result(outputs, tensors)
 
 
 def call(captured: Captured, args: Args, kwargs: Kwargs) -> Any:

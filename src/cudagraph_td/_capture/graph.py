@@ -29,11 +29,12 @@ from .._values.input_views import InputViews, ReturnedTensorDicts, tensordicts_b
 from .._values.outputs import FreshCopies, Outputs
 from .._values.signature import Signature, validate
 from . import captured as _captured
-from .autograd import Capture, CapturedCall, DifferentiableCall
+from .autograd import Capture, DifferentiableCall
 from .backend import Backend, Graph
+from .captured import Captured
 
 
-class GraphCall(CapturedCall):
+class GraphCall(Captured):
     """A plain captured graph (no autograd): its signature, its outputs, how to launch it."""
 
     def __init__(
