@@ -101,17 +101,18 @@ class Recorder(TorchDispatchMode):
             out = func(*args, **kwargs)
             self._host_made(out)
             return out
+        written = _written(func, args, kwargs)
         if func in _INDEXING:
             _check_indexing(func, args, kwargs, self.on_host)
         elif on_host:
-            _check_mixed(func, on_host, _written(func, args, kwargs), self.on_host)
+            _check_mixed(func, on_host, written, self.on_host)
         read = _host_read(func, args, kwargs, self.on_host)
         if read:
             raise RuntimeError(f"{HOST_READ} {read})")
         # Writes into memory that existed before the call (parameters, optimizer state, and
         # views of them, such as `.data`) are undone: their storage is saved first.
-        for written in _written(func, args, kwargs):
-            storage = written.untyped_storage()
+        for tensor in written:
+            storage = tensor.untyped_storage()
             key = storage.data_ptr()
             if key not in self._made and key not in self._saved:
                 self._saved[key] = (storage, storage.clone())
