@@ -120,8 +120,8 @@ def capturing(host: Storages) -> Iterator[None]:
         _here.recording = outer
         with _LOCK:
             _open[0] -= 1
-            if _open[0] == 0:
-                _swap_out()
+            if _open[0] == 0:  # the last recording, in any thread, has ended
+                _swapped.close()  # torch's functions back, in the reverse order
 
 
 class _Recording:
@@ -135,9 +135,8 @@ class _Recording:
 _here = threading.local()  # `recording`: the `_Recording` of this thread's call, if any
 _LOCK = threading.Lock()
 _open = [0]  # how many recordings are open, in any thread
-# While they are: (module, name, what it held) for each function swapped, and the hook.
-_swapped: list[tuple[Any, str, Any]] = []
-_hooks: list[Any] = []
+# While they are: what puts torch's functions back, and removes the hook.
+_swapped = contextlib.ExitStack()
 
 
 def _swap_in() -> None:
@@ -176,22 +175,12 @@ def _swap_in() -> None:
     original_location_tag = torch.serialization.location_tag
     for module, name, answer in answers:
         original = getattr(module, name)
-        _swapped.append((module, name, original))
+        _swapped.callback(setattr, module, name, original)
         setattr(module, name, _on_recording_thread(answer, original))
-    _swapped.append((cuda, "Event", cuda.Event))
+    _swapped.callback(setattr, cuda, "Event", cuda.Event)
     cuda.Event = _event_class(cuda.Event)  # type: ignore[assignment, misc]
     # A hook of torch's global registry of optimizer hooks, there while a call is recorded.
-    _hooks.append(register_optimizer_step_pre_hook(_check_optimizer))
-
-
-def _swap_out() -> None:
-    """Put torch's functions back (the last recording, in any thread, has ended)."""
-    for hook in _hooks:
-        hook.remove()
-    _hooks.clear()
-    for module, name, original in reversed(_swapped):
-        setattr(module, name, original)
-    _swapped.clear()
+    _swapped.callback(register_optimizer_step_pre_hook(_check_optimizer).remove)
 
 
 def _on_recording_thread(answer: Callable[..., Any], original: Any) -> Any:
@@ -241,15 +230,12 @@ def _event_class(torch_event: type) -> type:
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, *args: Any) -> None:
-    if getattr(_here, "recording", None) is not None:
-        _check_capturable(optimizer)
-
-
-def _check_capturable(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse the step of an optimizer that has a capturable mode without it, as torch's own
-    check does in a CUDA capture (``Optimizer._accelerator_graph_capture_health_check``,
-    which sees no accelerator on the CPU); its step counts would be read on the host. A
-    fused optimizer needs it too."""
+    """On the recording thread, refuse the step of an optimizer that has a capturable mode
+    without it, as torch's own check does in a CUDA capture
+    (``Optimizer._accelerator_graph_capture_health_check``, which sees no accelerator on the
+    CPU); its step counts would be read on the host. A fused optimizer needs it too."""
+    if getattr(_here, "recording", None) is None:
+        return
     groups = optimizer.param_groups
     if "capturable" in optimizer.defaults and not all(g.get("capturable") for g in groups):
         raise RuntimeError(

@@ -38,37 +38,19 @@ _HOST_METHODS = {
     torch.Tensor.__format__,
     torch.Tensor.__array__,
 }
+_FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
 # Functions that make a tensor on the default device (the CPU) unless given `device=`.
 _FACTORIES = {
-    torch.tensor,
-    torch.as_tensor,
-    torch.asarray,
-    torch.scalar_tensor,
-    torch.ones,
-    torch.zeros,
-    torch.empty,
-    torch.empty_strided,
-    torch.full,
-    torch.arange,
-    torch.linspace,
-    torch.logspace,
-    torch.eye,
-    torch.tril_indices,
-    torch.triu_indices,
-    torch.rand,
-    torch.randn,
-    torch.randint,
-    torch.randperm,
-    torch.normal,
-    torch.hann_window,
-    torch.hamming_window,
-    torch.blackman_window,
-    torch.bartlett_window,
+    *_FROM_DATA,
+    *(torch.scalar_tensor, torch.ones, torch.zeros, torch.full, torch.eye),
+    *(torch.empty, torch.empty_strided),
+    *(torch.arange, torch.linspace, torch.logspace, torch.tril_indices, torch.triu_indices),
+    *(torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal),
+    *(torch.hann_window, torch.hamming_window, torch.blackman_window, torch.bartlett_window),
     torch.kaiser_window,
 }
 # Functions that always make a CPU tensor, from host memory.
 _FROM_HOST_MEMORY = {torch.from_numpy, torch.frombuffer}
-_FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
 _INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
 # The Python values that `x[index] = value` turns into a CPU tensor of `x`'s dtype.
 _NUMBERS = (bool, int, float, complex)
@@ -188,19 +170,17 @@ class HostMemory:
     address: a storage freed leaves the set."""
 
     def __init__(self) -> None:
-        self._storages: dict[int, Any] = {}
+        # A storage made at a freed one's address replaces it (the freed one's removal
+        # leaves it there).
+        self._storages: weakref.WeakValueDictionary[int, torch.UntypedStorage] = (
+            weakref.WeakValueDictionary()
+        )
 
     def add(self, tensors: list[torch.Tensor]) -> None:
         for t in tensors:
             storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if key:  # not an empty tensor's
-
-                def forget(ref: Any, key: int = key) -> None:
-                    if self._storages.get(key) is ref:
-                        del self._storages[key]
-
-                self._storages[key] = weakref.ref(storage, forget)
+            if storage.data_ptr():  # not an empty tensor's
+                self._storages[storage.data_ptr()] = storage
 
     def holds(self, tensor: torch.Tensor) -> bool:
         if not self._storages:
@@ -212,8 +192,7 @@ class HostMemory:
         return self.holds_storage(storage)
 
     def holds_storage(self, storage: torch.UntypedStorage) -> bool:
-        ref = self._storages.get(storage.data_ptr())
-        return ref is not None and ref() is storage
+        return self._storages.get(storage.data_ptr()) is storage
 
 
 HOST_MEMORY = HostMemory()

@@ -101,32 +101,38 @@ class Recorder(TorchDispatchMode):
             out = func(*args, **kwargs)
             self._host_made(out)
             return out
+        written = _written(func, args, kwargs)
         if func in _INDEXING:
             _check_indexing(func, args, kwargs, self.on_host)
         elif on_host:
-            _check_mixed(func, on_host, _written(func, args, kwargs), self.on_host)
+            _check_mixed(func, on_host, written, self.on_host)
         read = _host_read(func, args, kwargs, self.on_host)
         if read:
             raise RuntimeError(f"{HOST_READ} {read})")
         # Writes into memory that existed before the call (parameters, optimizer state, and
         # views of them, such as `.data`) are undone: their storage is saved first.
-        for written in _written(func, args, kwargs):
-            storage = written.untyped_storage()
+        for tensor in written:
+            storage = tensor.untyped_storage()
             key = storage.data_ptr()
             if key not in self._made and key not in self._saved:
                 self._saved[key] = (storage, storage.clone())
         if torch.Tag.nondeterministic_seeded in func.tags:
-            out = _drawn_at_replays(func, args, kwargs)
+            # A random operation of the graph leaves the default generator as it was. A CUDA
+            # capture draws no numbers: torch gives the graph an offset into the generator,
+            # taken and advanced at each replay, so that the first replay draws what an
+            # eager call would draw next. Left advanced, it would make every later draw,
+            # eager or replayed, differ from a run without graphs seeded alike. (The
+            # function's CPU work draws at the capture, as on CUDA: it is not recorded.)
+            with torch.random.fork_rng(devices=[], device_type="cpu"):
+                out = func(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
+        # Memory the operation allocated (not a view of its inputs).
         inputs = {t.untyped_storage().data_ptr() for t in tensors}
-        for t in tensors_in(out):  # memory the operation allocated (not a view of its inputs)
-            key = t.untyped_storage().data_ptr()
-            if key not in inputs:
-                self._made.add(key)
+        self._made |= {t.untyped_storage().data_ptr() for t in tensors_in(out)} - inputs
         modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         if on_host:  # CPU tensors are numbers to a CUDA kernel: their values at the capture
-            args, kwargs = _frozen(args, self.on_host), _frozen(kwargs, self.on_host)
+            args, kwargs = _map_tensors((args, kwargs), self._frozen)
         self.ops.append((func, args, kwargs, out, modes))
         return out
 
@@ -134,6 +140,10 @@ class Recorder(TorchDispatchMode):
         """Whether ``tensor`` would be on the CPU in a GPU run too (see above), made by this
         call or by an eager run of the function (`HOST_MEMORY`)."""
         return (bool(self._host) and _address(tensor) in self._host) or HOST_MEMORY.holds(tensor)
+
+    def _frozen(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of ``tensor``'s value now if it is a CPU tensor (see `on_host`)."""
+        return tensor.clone() if self.on_host(tensor) else tensor
 
     def stores_on_host(self, storage: torch.UntypedStorage) -> bool:
         """Whether ``storage`` is the memory of such a tensor (see `on_host`)."""
@@ -174,9 +184,13 @@ class RecordedGraph:
         # The operations in runs of one mode each, on detached aliases of their tensors (the
         # same memory, without the autograd metadata that grad mode would check: a view of
         # a `split` whose base a replay rewrote may not be read there).
-        memo: dict[int, torch.Tensor] = {}
+        aliases: dict[int, torch.Tensor] = {}  # one per tensor
+
+        def detached(t: torch.Tensor) -> torch.Tensor:
+            return aliases.setdefault(id(t), t.detach())
+
         self._runs = [
-            (modes, [_detached(op[:4], memo) for op in run])
+            (modes, [_map_tensors(op[:4], detached) for op in run])
             for modes, run in itertools.groupby(ops, key=operator.itemgetter(4))
         ]
 
@@ -194,22 +208,6 @@ class RecordedGraph:
                                     old.copy_(fresh)
         finally:
             set_grad_enabled(grad)
-
-
-def _detached(value: Any, memo: dict[int, torch.Tensor]) -> Any:
-    """``value`` with each tensor replaced by one detached alias of it (one per tensor)."""
-
-    def alias(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in memo:
-            memo[id(t)] = t.detach()
-        return memo[id(t)]
-
-    return _map_tensors(value, alias)
-
-
-def _frozen(value: Any, host: Callable[[torch.Tensor], bool]) -> Any:
-    """``value`` with each CPU tensor (``host``) replaced by a copy of its value now."""
-    return _map_tensors(value, lambda t: t.clone() if host(t) else t)
 
 
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -232,22 +230,6 @@ def record(fn: Callable[[], Any]) -> tuple[RecordedGraph, Any]:
     finally:
         recorder.undo()
     return RecordedGraph(recorder.ops), out
-
-
-def _drawn_at_replays(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run a random operation of the graph without advancing the default generator.
-
-    A CUDA capture draws no numbers: torch gives the graph an offset into the generator,
-    taken and advanced at each replay, so that the first replay draws what an eager call
-    would draw next. Left advanced, it would make every later draw, eager or replayed,
-    differ from a run without graphs seeded alike. (The function's CPU work draws at the
-    capture, as on CUDA: it runs outside this path.)
-    """
-    state = torch.default_generator.get_state()
-    try:
-        return func(*args, **kwargs)
-    finally:
-        torch.default_generator.set_state(state)
 
 
 def _address(tensor: torch.Tensor) -> int:
@@ -300,7 +282,7 @@ def _host_read(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], host: A
         return "a host read of a tensor's value, `.item()`"
     if func in _DATA_DEPENDENT:
         return "an output shape that depends on values"
-    if func is _aten.repeat_interleave.Tensor and _size_not_given(args, kwargs):
+    if func is _aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
         return "an output shape that depends on values, `repeat_interleave`"
     if func is _aten.equal.default and _compares_values(args[0], args[1]):
         return "a host read of tensors' values, `torch.equal`"
@@ -350,19 +332,11 @@ def _range_not_given(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return bool(low == high and args[0].numel() > 0)
 
 
-def _size_not_given(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether ``repeat_interleave``'s call leaves its output's size to a read of values."""
-    return kwargs.get("output_size") is None and (len(args) < 2 or args[1] is None)
-
-
 def _compares_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``torch.equal(a, b)`` reads values: unless their shapes differ, they are empty,
     or they are the same view of the same memory (a shortcut of CUDA's `equal` too)."""
-    same_view = _same_memory(a, b) and (a.storage_offset(), a.stride(), a.dtype) == (
-        b.storage_offset(),
-        b.stride(),
-        b.dtype,
-    )
+    view = (a.storage_offset(), a.stride(), a.dtype)
+    same_view = _same_memory(a, b) and view == (b.storage_offset(), b.stride(), b.dtype)
     return a.shape == b.shape and a.numel() > 0 and not same_view
 
 
