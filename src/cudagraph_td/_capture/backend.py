@@ -92,7 +92,6 @@ class Backend(Protocol):
 
     def for_autograd(self) -> Backend:
         """The backend that captures a forward and backward pair (see `CudaBackend`)."""
-        ...
 
     def capture(self, fn: Callable[[], T], like: T) -> tuple[Graph, T]:
         """Record ``fn``; return the graph and its static outputs, shaped as ``like``.
@@ -101,7 +100,6 @@ class Backend(Protocol):
         outputs from it). Recording runs none of the function's effects: the first replay
         does.
         """
-        ...
 
 
 class SharedPool:
