@@ -325,17 +325,8 @@ class EmulatedBackend:
 
     def capture(self, fn: Callable[[], T], like: T) -> tuple[Graph, T]:
         if self.reruns_python:
-            leaves, spec = _tree.flatten(like)
-            with torch.no_grad():
-                leaves = [
-                    torch.empty_like(leaf) if isinstance(leaf, torch.Tensor) else leaf
-                    for leaf in leaves
-                ]
-            static: T = _tree.unflatten(spec, leaves)
-            orders = _tree.key_orders(like)
-            if orders is not None:  # TensorDict keys in the order the function set them
-                static = _tree.in_key_orders(static, orders)
-            return _EmulatedGraph(fn, static), static
+            graph = _RerunGraph(fn, like)
+            return graph, graph.static_outputs
         # As on CUDA: torch.distributions' argument checks read values on the host (the
         # eager warm-up and capturing calls checked them); autocast's cache would keep a
         # capture-time cast of each parameter, which the recording would then not recompute
@@ -349,13 +340,27 @@ class EmulatedBackend:
             torch.distributions.Distribution.set_default_validate_args(validate_args)
 
 
-class _EmulatedGraph:
-    def __init__(self, fn: Callable[[], Any], static: Any):
+class _RerunGraph:
+    """The emulation's graph of a step it cannot record (see `EmulatedBackend`): a replay
+    runs the function again, and copies its tensors into static outputs shaped as ``like``,
+    a result of an eager run."""
+
+    def __init__(self, fn: Callable[[], Any], like: Any):
         self._fn = fn
         self._grad_enabled = torch.is_grad_enabled()
-        leaves, self._spec = _tree.flatten(static)
+        leaves, self._spec = _tree.flatten(like)
+        with torch.no_grad():
+            leaves = [
+                torch.empty_like(leaf) if isinstance(leaf, torch.Tensor) else leaf
+                for leaf in leaves
+            ]
         self._static = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         self._meta = [(t.shape, t.dtype) for t in self._static]
+        # Flattening sorts TensorDict keys: given back in the order the function set them.
+        self.static_outputs = _tree.unflatten(self._spec, leaves)
+        orders = _tree.key_orders(like)
+        if orders is not None:
+            self.static_outputs = _tree.in_key_orders(self.static_outputs, orders)
 
     def replay(self) -> None:
         with torch.set_grad_enabled(self._grad_enabled), _compat.capturable_on_cpu():
