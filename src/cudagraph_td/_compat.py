@@ -208,8 +208,6 @@ module_parameters: Callable[[torch.nn.Module], dict[str, Any]] = operator.attrge
 module_buffers: Callable[[torch.nn.Module], dict[str, Any]] = operator.attrgetter("_buffers")
 """A module's own buffers, in its dict (``_buffers``): see ``module_children``."""
 
-_HOOK_KINDS = ("forward pre", "forward", "backward pre", "backward")
-
 
 def module_hooks(module: torch.nn.Module) -> list[str]:
     """The kinds of hooks registered on ``module`` itself ("forward pre", "forward", ...).
@@ -217,9 +215,8 @@ def module_hooks(module: torch.nn.Module) -> list[str]:
     ``nn.Module._forward_pre_hooks`` and the like: no public API lists them. Checked; if
     gone: none are seen (``make_graphed_callables`` no longer refuses a module with hooks).
     """
-    return [
-        kind for kind in _HOOK_KINDS if getattr(module, f"_{kind.replace(' ', '_')}_hooks", None)
-    ]
+    kinds = ("forward pre", "forward", "backward pre", "backward")
+    return [kind for kind in kinds if getattr(module, f"_{kind.replace(' ', '_')}_hooks", None)]
 
 
 # --- tensordict --------------------------------------------------------------------------
@@ -303,41 +300,47 @@ def capturable_on_cpu() -> Iterator[None]:
     run on the CPU as they are. The context takes effect on its own thread only: another
     thread meanwhile gets torch's refusal.
     """
+    global _capturable_entries
     with _CAPTURABLE_LOCK:
-        if _capturable_entries[0] == 0:
+        if _capturable_entries == 0:
             _allow_cpu_captures()
-        _capturable_entries[0] += 1
-    _capturable_here.depth = getattr(_capturable_here, "depth", 0) + 1
+        _capturable_entries += 1
+    _capturable_here.depth += 1
     try:
         yield
     finally:
         _capturable_here.depth -= 1
         with _CAPTURABLE_LOCK:  # the last one out restores torch's (threads may overlap)
-            _capturable_entries[0] -= 1
-            if _capturable_entries[0] == 0:
-                _allow_cpu_captures(undo=True)
+            _capturable_entries -= 1
+            if _capturable_entries == 0:
+                for module, original in _patched:
+                    module._get_capturable_supported_devices = original
+                _patched.clear()
 
 
 _CAPTURABLE_LOCK = threading.Lock()
-_capturable_entries = [0]  # how many `capturable_on_cpu` contexts are open, in any thread
-# How many this thread has open: the patched function answers as torch's on other threads.
-_capturable_here = threading.local()
+_capturable_entries = 0  # how many `capturable_on_cpu` contexts are open, in any thread
 _patched: list[tuple[Any, Any]] = []  # (optimizer module, torch's function) while open
 
 
-def _allow_cpu_captures(undo: bool = False) -> None:
-    if undo:
-        for module, original in _patched:
-            module._get_capturable_supported_devices = original
-        _patched.clear()
-        return
+class _CapturableHere(threading.local):
+    """How many contexts this thread has open: the patched function answers as torch's on
+    other threads."""
+
+    depth = 0
+
+
+_capturable_here = _CapturableHere()
+
+
+def _allow_cpu_captures() -> None:
     import torch.optim.optimizer as optimizer_module
 
     original = optimizer_module._get_capturable_supported_devices
 
     def with_cpu(*args: Any, **kwargs: Any) -> list[str]:
         devices = original(*args, **kwargs)
-        return [*devices, "cpu"] if getattr(_capturable_here, "depth", 0) else devices
+        return [*devices, "cpu"] if _capturable_here.depth else devices
 
     for module in _optimizer_modules(original):
         _patched.append((module, original))

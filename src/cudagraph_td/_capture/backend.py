@@ -14,7 +14,7 @@ import contextlib
 import gc
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -25,6 +25,10 @@ from .._emulation import recording as _recording
 from .._errors import inputs as _errors
 from .._values import tree as _tree
 from . import sharing as _sharing
+from .devices import call_device
+
+if TYPE_CHECKING:
+    from .distributed import Agreement
 
 T = TypeVar("T")
 
@@ -35,12 +39,10 @@ BACKENDS = ("auto", "cuda", "emulate")
 
 def check_options(backend: str, capture_error_mode: str) -> None:
     """Raise a ``ValueError`` that lists the valid values of an option the user got wrong."""
-    for option, value, valid in (
-        ("backend", backend, BACKENDS),
-        ("capture_error_mode", capture_error_mode, CAPTURE_ERROR_MODES),
-    ):
-        if value not in valid:
-            raise _errors.invalid_option(option, value, valid)
+    if backend not in BACKENDS:
+        raise _errors.invalid_option("backend", backend, BACKENDS)
+    if capture_error_mode not in CAPTURE_ERROR_MODES:
+        raise _errors.invalid_option("capture_error_mode", capture_error_mode, CAPTURE_ERROR_MODES)
 
 
 def make_backend(
@@ -49,38 +51,28 @@ def make_backend(
     pool: Any,
     capture_error_mode: str,
     inputs: Any,
+    agreement: Agreement | None = None,
 ) -> Backend:
-    """The backend called ``name``; a CUDA one on ``device``, else on the inputs' device."""
+    """The backend called ``name``; a CUDA one on ``device``, else on the inputs' device
+    (see `_capture.devices.call_device`). ``agreement``: the ranks' `Agreement` of a DDP
+    step, else None."""
     if name == "emulate":
-        return EmulatedBackend(device)
-    if device is None:
-        leaves, _ = _tree.flatten(inputs)
-        device = next(
-            (
-                leaf.device
-                for leaf in leaves
-                if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda"
-            ),
-            None,
-        )
-    if device is None or device.index is None:  # "cuda" alone means the current device
-        device = torch.device("cuda", torch.cuda.current_device())
-    return CudaBackend(device, pool, capture_error_mode)
+        return EmulatedBackend(device, rerun=agreement is not None)  # see `EmulatedBackend`
+    device = call_device((inputs,), {}, device)
+    return CudaBackend(device, pool, capture_error_mode, agreement)
 
 
 def backend_factory(
-    name: str, device: torch.device | None, pool: Any, capture_error_mode: str, agreement: Any
+    name: str,
+    device: torch.device | None,
+    pool: Any,
+    capture_error_mode: str,
+    agreement: Agreement | None,
 ) -> Callable[[tuple[Any, ...], dict[str, Any]], Backend]:
-    """What makes a wrapper's backend from the inputs of its first call (see `make_backend`).
-    ``agreement``: the ranks' `_capture.distributed.Agreement` of a DDP step, else None."""
+    """What makes a wrapper's backend from the inputs of its first call (see `make_backend`)."""
 
     def make(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Backend:
-        backend = make_backend(name, device, pool, capture_error_mode, (args, kwargs))
-        if isinstance(backend, CudaBackend):
-            backend.agreement = agreement
-        elif isinstance(backend, EmulatedBackend) and agreement is not None:
-            backend.reruns_python = True  # a DDP step (see `EmulatedBackend`)
-        return backend
+        return make_backend(name, device, pool, capture_error_mode, (args, kwargs), agreement)
 
     return make
 
@@ -100,7 +92,6 @@ class Backend(Protocol):
 
     def for_autograd(self) -> Backend:
         """The backend that captures a forward and backward pair (see `CudaBackend`)."""
-        ...
 
     def capture(self, fn: Callable[[], T], like: T) -> tuple[Graph, T]:
         """Record ``fn``; return the graph and its static outputs, shaped as ``like``.
@@ -109,7 +100,6 @@ class Backend(Protocol):
         outputs from it). Recording runs none of the function's effects: the first replay
         does.
         """
-        ...
 
 
 class SharedPool:
@@ -129,13 +119,8 @@ class SharedPool:
         """The pool's handle on ``device``, made (with its anchor) at first use."""
         if device not in self._pools:
             handle = torch.cuda.graph_pool_handle()
-            scratch = torch.empty(1, device=device)
-            anchor = torch.cuda.CUDAGraph()
             with torch.cuda.stream(_sharing.capture_stream(device)):
-                anchor.capture_begin(pool=handle)
-                scratch.zero_()  # a graph must hold a node for capture_end to accept it
-                anchor.capture_end()
-            self._pools[device] = (handle, anchor)
+                self._pools[device] = (handle, _one_node_graph(device, handle))
         return self._pools[device][0]
 
     def give_up(self, device: torch.device) -> None:
@@ -158,13 +143,14 @@ class CudaBackend:
         device: torch.device,
         pool: Any = None,
         capture_error_mode: str = "global",
+        agreement: Agreement | None = None,
     ):
         self.device = device
         self.pool = pool
         self.capture_error_mode = capture_error_mode
         # For a DDP step: the ranks tell each other how their captures went
         # (`_capture.distributed`).
-        self.agreement: Any = None
+        self.agreement = agreement
         # A side stream: the warm-up runs off the caller's stream so that lazy
         # initialisations (cuBLAS workspaces, autograd and optimizer state) happen before the
         # capture and not inside it. The capture runs on the same stream: autograd ties each
@@ -172,8 +158,7 @@ class CudaBackend:
         # and a warm-up result still alive during the capture (the capturing call's result)
         # would otherwise tie it to another stream than the captured backward's. Warm-ups
         # and captures hold the process's capture lock: one stream serves every wrapper.
-        self._side_stream = _sharing.capture_stream(device)
-        self._capture_stream = self._side_stream
+        self._stream = _sharing.capture_stream(device)
 
     def for_autograd(self) -> CudaBackend:
         """The backend of a forward and backward pair: a pool of their own, unless the user
@@ -188,12 +173,12 @@ class CudaBackend:
         # last replay stream from now on).
         _sharing.ordered(self.device.index)
         current = torch.cuda.current_stream(self.device)
-        self._side_stream.wait_stream(current)
-        with torch.cuda.stream(self._side_stream), _no_autocast_cache():
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream), _no_autocast_cache():
             if not torch.cuda.is_current_stream_capturing():  # else inside another's capture
                 _sharing.workspace(self.device).ensure()
             out = fn()
-        current.wait_stream(self._side_stream)
+        current.wait_stream(self._stream)
         return out
 
     def capture(self, fn: Callable[[], T], like: T) -> tuple[Graph, T]:
@@ -211,13 +196,12 @@ class CudaBackend:
         torch.distributions.Distribution.set_default_validate_args(False)
         # A pool of its own unless given one: named here, so that a failed capture can end
         # its routing of allocations (see `_end_failed_capture`).
-        shared = self.pool if isinstance(self.pool, SharedPool) else None
-        if shared is not None:
-            pool = shared.handle(self.device)
+        if isinstance(self.pool, SharedPool):
+            pool = self.pool.handle(self.device)
         else:
             pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
         try:
-            with torch.cuda.stream(self._capture_stream), _no_autocast_cache():
+            with torch.cuda.stream(self._stream), _no_autocast_cache():
                 # The graph records the workspace's address: one of the library's own, never
                 # one that another graph or eager work made (see `_capture.sharing`).
                 _sharing.workspace(self.device).ensure()
@@ -227,15 +211,10 @@ class CudaBackend:
                 except BaseException as err:
                     self._end_failed_capture(graph, pool)
                     _take_pending_solver_error(err, self.device)
-                    if shared is not None:
-                        shared.give_up(self.device)
+                    if isinstance(self.pool, SharedPool):
+                        self.pool.give_up(self.device)
                     raise
-                with warnings.catch_warnings():
-                    # A function that launches no kernel (it returns its input, or
-                    # constants) makes an empty graph, which replays correctly; torch's
-                    # warning about it is meant for captures on the wrong stream.
-                    warnings.filterwarnings("ignore", "The CUDA Graph is empty")
-                    graph.capture_end()
+                _end_capture(graph)
         except BaseException as err:
             if self.agreement is not None:  # the other ranks drop their graphs too
                 self.agreement.outcome(err)
@@ -251,10 +230,7 @@ class CudaBackend:
     def _end_failed_capture(self, graph: torch.cuda.CUDAGraph, pool: Any) -> None:
         """Take the capture stream out of capture mode after the function raised inside it."""
         try:
-            with warnings.catch_warnings():
-                # Raised before its first kernel, the function left the graph empty.
-                warnings.filterwarnings("ignore", "The CUDA Graph is empty")
-                graph.capture_end()
+            _end_capture(graph)  # raised before its first kernel, the function left it empty
         except RuntimeError:
             # The error that broke the capture also invalidated it, and ending it raises
             # again; the caller raises the first error, which says what went wrong. torch
@@ -264,16 +240,29 @@ class CudaBackend:
             # random op outside a graph fails. Both are undone here; a capture that ends
             # well clears the generator's mark on the same generator state.
             end_allocate_to_pool(self.device, pool)
-            self._clear_generator_capture_mark()
+            _one_node_graph(self.device)  # clears the generator's mark
         if torch.cuda.is_current_stream_capturing():  # pragma: no cover - driver failure
             raise RuntimeError("cudagraph_td could not end a failed capture")
 
-    def _clear_generator_capture_mark(self) -> None:
-        scratch = torch.empty(1, device=self.device)
-        graph = torch.cuda.CUDAGraph()
-        graph.capture_begin()
-        scratch.zero_()  # a graph must hold a node for capture_end to accept it
+
+def _end_capture(graph: torch.cuda.CUDAGraph) -> None:
+    with warnings.catch_warnings():
+        # A function that launches no kernel (it returns its input, or constants) makes an
+        # empty graph, which replays correctly; torch's warning about it is meant for
+        # captures on the wrong stream.
+        warnings.filterwarnings("ignore", "The CUDA Graph is empty")
         graph.capture_end()
+
+
+def _one_node_graph(device: torch.device, pool: Any = None) -> torch.cuda.CUDAGraph:
+    """A graph of one kernel, captured on the current stream into ``pool`` (None: a new
+    one): a pool's anchor (see `SharedPool`), or a capture that ends well."""
+    scratch = torch.empty(1, device=device)
+    graph = torch.cuda.CUDAGraph()
+    graph.capture_begin(pool=pool)
+    scratch.zero_()  # a graph must hold a node for capture_end to accept it
+    graph.capture_end()
+    return graph
 
 
 def _take_pending_solver_error(err: BaseException, device: torch.device) -> None:
@@ -320,8 +309,6 @@ class EmulatedBackend:
     updates happen again, outputs are overwritten.
     """
 
-    reruns_python = False
-
     def __init__(self, device: torch.device | None = None, *, rerun: bool = False):
         self.device = torch.device("cpu") if device is None else device
         # A step whose collectives torch runs outside the dispatcher (DDP's gradient
@@ -338,17 +325,8 @@ class EmulatedBackend:
 
     def capture(self, fn: Callable[[], T], like: T) -> tuple[Graph, T]:
         if self.reruns_python:
-            leaves, spec = _tree.flatten(like)
-            with torch.no_grad():
-                leaves = [
-                    torch.empty_like(leaf) if isinstance(leaf, torch.Tensor) else leaf
-                    for leaf in leaves
-                ]
-            static: T = _tree.unflatten(spec, leaves)
-            orders = _tree.key_orders(like)
-            if orders is not None:  # TensorDict keys in the order the function set them
-                static = _tree.in_key_orders(static, orders)
-            return _EmulatedGraph(fn, static), static
+            graph = _RerunGraph(fn, like)
+            return graph, graph.static_outputs
         # As on CUDA: torch.distributions' argument checks read values on the host (the
         # eager warm-up and capturing calls checked them); autocast's cache would keep a
         # capture-time cast of each parameter, which the recording would then not recompute
@@ -362,13 +340,27 @@ class EmulatedBackend:
             torch.distributions.Distribution.set_default_validate_args(validate_args)
 
 
-class _EmulatedGraph:
-    def __init__(self, fn: Callable[[], Any], static: Any):
+class _RerunGraph:
+    """The emulation's graph of a step it cannot record (see `EmulatedBackend`): a replay
+    runs the function again, and copies its tensors into static outputs shaped as ``like``,
+    a result of an eager run."""
+
+    def __init__(self, fn: Callable[[], Any], like: Any):
         self._fn = fn
         self._grad_enabled = torch.is_grad_enabled()
-        leaves, self._spec = _tree.flatten(static)
+        leaves, self._spec = _tree.flatten(like)
+        with torch.no_grad():
+            leaves = [
+                torch.empty_like(leaf) if isinstance(leaf, torch.Tensor) else leaf
+                for leaf in leaves
+            ]
         self._static = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         self._meta = [(t.shape, t.dtype) for t in self._static]
+        # Flattening sorts TensorDict keys: given back in the order the function set them.
+        self.static_outputs = _tree.unflatten(self._spec, leaves)
+        orders = _tree.key_orders(like)
+        if orders is not None:
+            self.static_outputs = _tree.in_key_orders(self.static_outputs, orders)
 
     def replay(self) -> None:
         with torch.set_grad_enabled(self._grad_enabled), _compat.capturable_on_cpu():

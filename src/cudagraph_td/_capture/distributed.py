@@ -28,6 +28,7 @@ the forward that DDP runs, which a replay skips.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Hashable
 from typing import Any
@@ -55,10 +56,10 @@ def checked(name: str, fn: Any, warmup: int, mode: str) -> tuple[str, Agreement 
             "see the Several GPUs page of the docs)."
         )
     modules = find_state(fn)[1]
-    ddps = {path: m for path, m in modules.items() if isinstance(m, DistributedDataParallel)}
+    ddps = [(path, m) for path, m in modules.items() if isinstance(m, DistributedDataParallel)]
     if not ddps:
         return mode, None
-    path, ddp = next(iter(ddps.items()))
+    path, ddp = ddps[0]
     if warmup < DDP_WARMUP:
         raise ValueError(
             f"{name} captures a step that calls a DistributedDataParallel module "
@@ -85,7 +86,6 @@ class Agreement:
             self.group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
-        self._digests: dict[Hashable, int] = {}  # each key's digest, which the ranks compare
 
     def largest(self, size: tuple[int, ...] | None) -> tuple[int, ...] | None:
         """The bucket of every rank: the largest that one needs (None: above every bucket,
@@ -100,11 +100,7 @@ class Agreement:
 
     def same(self, key: Hashable, shown: Any) -> None:
         """Raise on every rank unless every rank's call has the graph of ``key`` (``"exact"``)."""
-        digest = self._digests.get(key)
-        if digest is None:  # once per key: a call pays a dictionary look-up, then the collective
-            if len(self._digests) >= _MAX_DIGESTS:
-                self._digests.clear()
-            digest = self._digests[key] = zlib.crc32(repr(key).encode())
+        digest = _digest(key)
         both = torch.tensor([digest, -digest], dtype=torch.int64)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
         if int(both[0]) != -int(both[1]):
@@ -132,6 +128,12 @@ class Agreement:
             )
 
 
+@functools.lru_cache(maxsize=256)  # keys of refused calls count too: the cache is bounded
+def _digest(key: Hashable) -> int:
+    """A key's digest, which the ranks compare: made once per key (a call pays a cache
+    look-up, then the collective)."""
+    return zlib.crc32(repr(key).encode())
+
+
 _ABOVE = 1 << 40  # a call above every bucket, which every rank's agreement then takes
 _MAX_DIMS = 8
-_MAX_DIGESTS = 256  # keys of refused calls count too: the cache is bounded

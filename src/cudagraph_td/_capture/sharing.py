@@ -29,6 +29,7 @@ replay slips between another's order check and its launch.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -127,17 +128,17 @@ class Workspace:
                 return
             self._make_handles()
             try:
-                if self._prime():
-                    return
-                # The stream's entry was made elsewhere: only a clear removes it.
-                self._forget()
-                if self._prime():
-                    return
+                # A priming that finds the stream's entry made elsewhere: only a clear
+                # removes it, and the priming runs again. After two, the clear leaves the
+                # capture to make a workspace of its own: nothing made elsewhere is left.
+                for _attempt in range(2):
+                    if self._prime():
+                        return
+                    self._forget()
             except Exception:
-                pass
-            # A priming that fails (out of memory, say) leaves the capture to make a
-            # workspace of its own, in its pool: nothing made elsewhere is left to it.
-            self._forget()
+                # A priming that fails (out of memory, say) leaves the capture to make a
+                # workspace of its own, in its pool: nothing made elsewhere is left to it.
+                self._forget()
 
     def _forget(self) -> None:
         clear_cublas_workspaces()
@@ -201,21 +202,18 @@ class Workspace:
         self._owned.clear()
 
 
-_workspaces: dict[torch.device, Workspace] = {}
-
-
+@functools.cache
 def workspace(device: torch.device) -> Workspace:
     """The workspace of the capture stream on ``device``."""
-    known = _workspaces.get(device)
-    if known is None:
-        known = _workspaces[device] = Workspace(device)
-    return known
+    return Workspace(device)
 
 
 # One side stream per device, for every backend (see `CudaBackend`). The caching allocator
 # keeps freed memory per stream, and cuBLAS a 32 MiB workspace per stream (on Hopper): a
 # stream per wrapper would leave that much cached per wrapper, which no other one reuses.
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
 
 
 def capture_stream(device: torch.device | int | str | None = None) -> torch.cuda.Stream:
@@ -232,11 +230,9 @@ def capture_stream(device: torch.device | int | str | None = None) -> torch.cuda
         ...     model = DistributedDataParallel(net, device_ids=[rank])
     """
     index: int | None = torch.device("cuda" if device is None else device).index
-    device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
-    stream = _side_streams.get(device)
-    if stream is None:
-        stream = _side_streams[device] = torch.cuda.Stream(device)
-    return stream
+    return _side_stream(
+        torch.device("cuda", torch.cuda.current_device() if index is None else index)
+    )
 
 
 class ReplayOrder:
@@ -266,15 +262,10 @@ class ReplayOrder:
             self.follow()
 
 
-_orders: dict[int, ReplayOrder] = {}
-
-
+@functools.cache
 def replay_order(device: int) -> ReplayOrder:
     """The replay order of CUDA device ``device``, shared by every wrapper on it."""
-    order = _orders.get(device)
-    if order is None:
-        order = _orders[device] = ReplayOrder(device)
-    return order
+    return ReplayOrder(device)
 
 
 def ordered(device: int) -> ReplayOrder:
