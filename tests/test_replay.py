@@ -174,9 +174,9 @@ def _count_slow_path(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     count = [0]
     match = Signature.match
 
-    def counted(self: Signature, *args: Any) -> Any:
+    def counted(self: Signature, *args: Any, **kwargs: Any) -> Any:
         count[0] += 1
-        return match(self, *args)
+        return match(self, *args, **kwargs)
 
     monkeypatch.setattr(Signature, "match", counted)
     return count

@@ -341,3 +341,36 @@ def test_torchrls_update_forms_replay_without_the_slow_path(backend: Backend, fo
     assert slow[0] == 0
     for p, q in zip(net.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(p, q)
+
+
+def _pair(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"a": x * 2, "b": y + 1}
+
+
+@pytest.mark.parametrize("shapes", ["static", "exact"])
+def test_the_slow_path_flattens_a_call_once(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, shapes: str
+) -> None:
+    # A call that the table does not know replays its captured graph on the slow path,
+    # which reads the call's structure once: its key, its device and its full check share it.
+    import optree
+
+    graphed = backend.wrap(_pair, warmup=1, shapes=shapes)
+    with torch.no_grad():
+        for _ in range(2):
+            graphed(backend.randn(4), backend.randn(4))
+        graphed._table.clear()  # the next call takes the slow path
+        flattened = [0]
+        flatten = optree.tree_flatten
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            flattened[0] += 1
+            return flatten(*args, **kwargs)
+
+        monkeypatch.setattr(optree, "tree_flatten", counted)
+        x, y = backend.randn(4), backend.randn(4)
+        out = graphed(x, y)
+    torch.testing.assert_close(out["a"], x * 2)
+    torch.testing.assert_close(out["b"], y + 1)
+    assert flattened[0] == 1
+    assert graphed.graphs()[0].replays == 2  # the call before, and this one

@@ -25,10 +25,12 @@ from .._shapes import options as _shape_options
 from .._shapes.buckets import BucketGraphs
 from .._shapes.graphs import GraphList, Overflow
 from .._shapes.options import Buckets, Exact, Static
+from .._values import tree as _tree
 from .._values.input_views import recording_writes
 from .._values.outputs import Outputs
 from .._values.routes import Route, Routing, routes
 from .._values.signature import Signature
+from .._values.tree import Flat
 from . import copying as _copying
 from . import modes as _modes
 from . import static as _static
@@ -290,7 +292,10 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         The entry of the graph that answered goes into the table, for calls like this one."""
         mode = _modes.current_mode(self.module)
         call_key = self._table.key(args, kwargs, mode)
-        key, graphs = self._select(args, kwargs, mode)
+        # The call flattened once, for every step that reads it (the TensorDict layer's graphs
+        # read the TensorDict it makes: they flatten that).
+        flat = _tree.flatten((args, kwargs)) if self._layer is None else None
+        key, graphs = self._select(args, kwargs, mode, flat)
         if graphs is None:  # a value of the static arguments past max_graphs
             return self._static_overflow(key, args, kwargs)
         self._where = key
@@ -303,7 +308,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         if self._layer is not None:
             answer = self._layer.call(graphs, args, kwargs)
         else:
-            answer = graphs.run(args, kwargs)
+            answer = graphs.run(args, kwargs, flat)
         entry = answer.entry
         if entry is None:
             return answer.result
@@ -319,14 +324,18 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         return answer.result
 
     def _select(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], mode: Mode | None = None
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        mode: Mode | None = None,
+        flat: Flat | None = None,
     ) -> tuple[GraphsKey, Graphs | None]:
         """The graphs of the call's mode, device and static values (`_shapes.graphs.Graphs.run` then
         picks the graph by the call's shapes); None past ``max_graphs`` static values."""
         mode = _modes.current_mode(self.module) if mode is None else mode
         device = None
         if self._backend_name == "cuda":
-            device = _devices.call_device(args, kwargs, self.device)
+            device = _devices.call_device(args, kwargs, self.device, flat)
         values = () if self._static is None else self._static.key(args, kwargs)
         key = GraphsKey(mode, device, values)
         graphs = self._graphs.get(key)

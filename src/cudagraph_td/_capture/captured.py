@@ -20,6 +20,7 @@ from .._values.aliasing import WrittenInputs
 from .._values.input_views import InputViews, into_callers
 from .._values.outputs import Outputs
 from .._values.signature import Signature
+from .._values.tree import Flat
 
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
@@ -91,8 +92,9 @@ class Captured:
         return views.result(outputs, tensors)
 
 
-def call(captured: Captured, args: Args, kwargs: Kwargs) -> Any:
-    """The slow path: the full check (which raises the error naming the leaf), then a replay."""
-    tensors = captured.signature.match(args, kwargs)
+def call(captured: Captured, args: Args, kwargs: Kwargs, flat: Flat | None = None) -> Any:
+    """The slow path: the full check (which raises the error naming the leaf), then a replay
+    (``flat``: the call flattened already, if it is)."""
+    tensors = captured.signature.match(args, kwargs, flat=flat)
     # A TensorDict argument returned: the caller's, its written entries set (see `IntoCallers`).
     return into_callers(args, kwargs, captured.outputs.rebuild(captured.launch(tensors)))

@@ -20,13 +20,16 @@ from .._state.state import modules_entries
 from .._values import tree as _tree
 
 
-def call_device(args: tuple[Any, ...], kwargs: dict[str, Any], fixed: Any) -> torch.device:
+def call_device(
+    args: tuple[Any, ...], kwargs: dict[str, Any], fixed: Any, flat: _tree.Flat | None = None
+) -> torch.device:
     """The device of a call's graphs: the wrapper's ``device=`` (``fixed``) if given with an
-    index, else the device of the first CUDA tensor input, else the current CUDA device."""
+    index, else the device of the first CUDA tensor input, else the current CUDA device
+    (``flat``: the call flattened already, if it is)."""
     if fixed is not None and fixed.index is not None:
         return fixed  # type: ignore[no-any-return]
     if fixed is None:
-        for leaf in _tree.flatten((args, kwargs))[0]:
+        for leaf in (_tree.flatten((args, kwargs)) if flat is None else flat)[0]:
             if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda":
                 return leaf.device
     return torch.device("cuda", torch.cuda.current_device())

@@ -29,6 +29,7 @@ import torch
 from .._compat import foreach_copy_
 from .._values.routes import TENSORDICT_OUT, Args, Kwargs, Route
 from .._values.signature import metadata
+from .._values.tree import Flat
 from . import captured as _captured
 from .captured import Captured
 
@@ -134,9 +135,10 @@ class GraphEntry:
         self.replays += 1
         return fresh[0] if write is None else write(args, kwargs, fresh)
 
-    def call(self, args: Args, kwargs: Kwargs) -> Any:
+    def call(self, args: Args, kwargs: Kwargs, flat: Flat | None = None) -> Any:
         """The slow path's replay: the full check, which raises the error naming the leaf,
-        then the launch; the result in the structure the function returned."""
-        out = _captured.call(self.graph, args, kwargs)
+        then the launch; the result in the structure the function returned (``flat``: the
+        call flattened already, if it is)."""
+        out = _captured.call(self.graph, args, kwargs, flat)
         self.replays += 1
         return out

@@ -17,8 +17,10 @@ import torch
 from .._capture.entry import GraphEntry
 from .._capture.graph import GraphCall, GraphRunner, capture_turn
 from .._errors import shapes as _errors_shapes
+from .._values import tree as _tree
 from .._values.outputs import Outputs
 from .._values.signature import Signature
+from .._values.tree import Flat
 from . import padding as _padding
 from .graphs import Answer, Graphs, exact_key
 from .options import Buckets
@@ -35,7 +37,9 @@ class BucketGraphs(Graphs):
     # that each one pads.
     _checked: frozenset[tuple[int, ...]] = frozenset()
 
-    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Answer:
+    def run(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], flat: Flat | None = None
+    ) -> Answer:
         options = self.options
         batch = _padding.batch_of(self.name, args, kwargs, options.batch_dims)
         size = _padding.bucket_for(batch, options.sizes)
@@ -49,10 +53,12 @@ class BucketGraphs(Graphs):
         self._check(size, batch, args, kwargs)
         runner = self.runners.get(size)
         if runner is not None:
-            view = self._rows(size, runner, batch, args, kwargs)
+            if flat is None:
+                flat = _tree.flatten((args, kwargs))
+            view = self._rows(size, runner, batch, args, kwargs, flat)
             state = None if view is None else view.graph.state
             if view is not None and (state is None or state.fresh()):
-                return Answer(view.call(args, kwargs), view, replayed=True)
+                return Answer(view.call(args, kwargs, flat), view, replayed=True)
         if runner is None:
             group = self._group(size)
             if len(group) > 1:
@@ -61,7 +67,7 @@ class BucketGraphs(Graphs):
                 return Answer(self._overflow(args, kwargs, None))
             runner = self.runners[size] = self.new_runner(size)
         padded = _padding.resize(args, kwargs, size)
-        answer = self._run(size, runner, *padded, _numel(batch), _numel(size))
+        answer = self._run(size, runner, *padded, None, _numel(batch), _numel(size))
         self._refuse(size, runner)
         result = _padding.rows(self.name, answer.result, size, batch)
         # Once a bucket's graph is captured, calls like this one take its rows' entry.
@@ -143,6 +149,7 @@ class BucketGraphs(Graphs):
         batch: tuple[int, ...],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        flat: Flat | None = None,
     ) -> GraphEntry | None:
         """The entry of ``runner``'s captured graph (a bucket's) replayed on ``batch`` rows of
         its buffers, for calls like this one; None if it is not captured, or captured for
@@ -152,7 +159,9 @@ class BucketGraphs(Graphs):
         if not isinstance(captured, GraphCall):
             return None
         # By the call's structure too: a TensorDict and keyword tensors read other rows.
-        where = (size, batch, exact_key(args, kwargs))
+        if flat is None:
+            flat = _tree.flatten((args, kwargs))
+        where = (size, batch, exact_key(flat))
         known = self.entries.get(where)
         if known is not None and known.source is captured:
             return known
@@ -162,7 +171,7 @@ class BucketGraphs(Graphs):
         dims = len(size)
         index = tuple(slice(0, n) for n in batch)
         heads = [t[index] for t in signature.static_inputs]
-        tensors = signature.tensors(args, kwargs)
+        tensors = signature.tensors(args, kwargs, flat)
         for t, static in zip(tensors, signature.static_inputs, strict=True):
             if t.shape[dims:] != static.shape[dims:]:
                 return None

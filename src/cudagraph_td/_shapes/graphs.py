@@ -137,9 +137,14 @@ class Graphs:
 
     # Picking the graph ---------------------------------------------------------------------
 
-    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Answer:
-        """Warm up, capture or replay the call's graph (the one place that picks it)."""
-        key = None if isinstance(self.options, Static) else exact_key(args, kwargs)
+    def run(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], flat: _tree.Flat | None = None
+    ) -> Answer:
+        """Warm up, capture or replay the call's graph (the one place that picks it).
+        ``flat``: the call flattened already, if it is; else flattened here, once."""
+        if flat is None:
+            flat = _tree.flatten((args, kwargs))
+        key = None if isinstance(self.options, Static) else exact_key(flat)
         if key is not None and self.agreement is not None:
             self.agreement.same(key, _shown(key))
         runner = self.runners.get(key)
@@ -149,7 +154,7 @@ class Graphs:
                 if len(self.runners) >= self.options.max_graphs:
                     return Answer(self._overflow(args, kwargs, None))
             runner = self.runners[key] = self.new_runner(key)
-        return self._run(key, runner, args, kwargs)
+        return self._run(key, runner, args, kwargs, flat)
 
     def new_runner(self, key: Hashable) -> GraphRunner:
         """The runner of the graph of ``key``, which names it so in log records."""
@@ -163,6 +168,7 @@ class Graphs:
         runner: GraphRunner,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        flat: _tree.Flat | None = None,
         rows: int = 1,
         padded_rows: int = 1,
     ) -> Answer:
@@ -174,8 +180,8 @@ class Graphs:
             state = entry.graph.state
             if state is None or state.fresh():
                 if rows == padded_rows:
-                    return Answer(entry.call(args, kwargs), entry, replayed=True)
-                out = _captured.call(entry.graph, args, kwargs)
+                    return Answer(entry.call(args, kwargs, flat), entry, replayed=True)
+                out = _captured.call(entry.graph, args, kwargs, flat)
                 where = (key, rows, padded_rows)
                 self._counts[where] = self._counts.get(where, 0) + 1
                 return Answer(out, entry, replayed=True, servable=False)
@@ -265,12 +271,12 @@ def _shown(key: Hashable) -> Any:
     return key
 
 
-def exact_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
-    """The graph of a call with ``shapes="exact"``: its structure (the treespec, TensorDict
-    batch sizes included, and which leaves are tensors: ``f(x, 2.0)`` and ``f(2.0, x)``
-    differ), the shapes of its tensors and which require grad. Other differences (dtypes,
-    constants) are the errors of the graph's full check."""
-    leaves, spec = _tree.flatten((args, kwargs))
+def exact_key(flat: _tree.Flat) -> Hashable:
+    """The graph of a call with ``shapes="exact"``, from its flattened arguments: its
+    structure (the treespec, TensorDict batch sizes included, and which leaves are tensors:
+    ``f(x, 2.0)`` and ``f(2.0, x)`` differ), the shapes of its tensors and which require
+    grad. Other differences (dtypes, constants) are the errors of the graph's full check."""
+    leaves, spec = flat
     places = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
     tensors = [leaves[i] for i in places]
     shapes = tuple(tuple(t.shape) for t in tensors)

@@ -111,13 +111,18 @@ class Signature:
             tree = _tree.in_key_orders(tree, self._orders)
         return tree  # type: ignore[no-any-return]
 
-    def read(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
+    def read(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], flat: _tree.Flat | None = None
+    ) -> list[Any] | None:
         """The tensor leaves of a call of the captured structure and constants, else None.
 
-        The general reader of the replay path: it flattens the call. The tensors' metadata
-        is left to the replay's check.
+        The general reader of the replay path: it flattens the call (unless the slow path
+        gives it ``flat``, the call flattened already). The tensors' metadata is left to the
+        replay's check.
         """
-        leaves, spec = optree.tree_flatten(cast(Any, (args, kwargs)), namespace=_tree.NAMESPACE)
+        if flat is None:
+            flat = optree.tree_flatten(cast(Any, (args, kwargs)), namespace=_tree.NAMESPACE)
+        leaves, spec = flat
         if spec != self.spec:
             return None
         if not self.const_index:  # every leaf is a tensor
@@ -130,17 +135,23 @@ class Signature:
         return [leaves[i] for i in self.tensor_index]
 
     def match(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], *, requires_grad: bool = True
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        requires_grad: bool = True,
+        flat: _tree.Flat | None = None,
     ) -> list[Any]:
         """The tensor leaves of a call, checked in full against the capture (the slow path).
 
-        Without ``requires_grad``, the tensors' ``requires_grad`` is not compared.
+        Without ``requires_grad``, the tensors' ``requires_grad`` is not compared. ``flat``:
+        the call flattened already, if it is.
 
         Raises:
             ValueError, KeyError, RuntimeError: The call differs from the capture; the error
                 names the leaf (see ``diagnose``).
         """
-        tensors = self.read(args, kwargs)
+        tensors = self.read(args, kwargs, flat)
         # A leaf that is not a tensor, where the capture had one, raises in `metadata`.
         with contextlib.suppress(Exception):
             if tensors is not None:
@@ -158,9 +169,11 @@ class Signature:
         assert tensors is not None
         return tensors
 
-    def tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    def tensors(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], flat: _tree.Flat | None = None
+    ) -> list[torch.Tensor]:
         """The tensor leaves of a call of the captured structure, unchecked."""
-        leaves, _ = _tree.flatten((args, kwargs))
+        leaves, _ = _tree.flatten((args, kwargs)) if flat is None else flat
         return [leaves[i] for i in self.tensor_index]
 
     def tensor_paths(self) -> list[str]:

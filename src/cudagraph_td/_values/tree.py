@@ -161,7 +161,12 @@ def _register_new_collections(leaves: list[Any]) -> bool:
     return bool(new)
 
 
-def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
+Flat = tuple[list[Any], optree.PyTreeSpec]
+"""A call's arguments flattened once on the slow path (``flatten((args, kwargs))``), which the
+steps that read them share."""
+
+
+def flatten(tree: Any) -> Flat:
     """Flatten ``tree`` into its leaves and treespec, TensorDicts included.
 
     Tensor collections of a type not yet registered are registered, then the tree is
