@@ -266,7 +266,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         self._graphs: dict[GraphsKey, Graphs] = {}
         # The entries of its graphs by the key of the calls they answered: what `__call__` runs.
         self._table = GraphTable(module, not isinstance(self._shapes, Static), self._static)
-        self._where: GraphsKey | None = None  # the last slow call's
+        self._last_key: GraphsKey | None = None  # the graphs of the last slow call
         # Per mode and device, the calls past max_graphs static values (see `_select`).
         self._overflows: dict[tuple[Mode, torch.device | None], Overflow] = {}
         self._order: _sharing.ReplayOrder | None = None  # its replay order (see `_capture.sharing`)
@@ -298,7 +298,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         key, graphs = self._select(args, kwargs, mode, flat)
         if graphs is None:  # a value of the static arguments past max_graphs
             return self._static_overflow(key, args, kwargs)
-        self._where = key
+        self._last_key = key
         device = key.device
         if device is not None:  # this device's replays follow the last one there
             self._order = _sharing.ordered(device.index)
@@ -319,7 +319,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         # Not while verify= checks its replays, nor for a DDP step, whose calls agree on their
         # graph first (see `_capture.distributed`).
         settled = verifier is None or not verifier.wants(graph)
-        if answer.servable and settled and self._agreement is None:
+        if answer.for_table and settled and self._agreement is None:
             self._table.add(call_key, entry)
         return answer.result
 
@@ -340,9 +340,9 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         key = GraphsKey(mode, device, values)
         graphs = self._graphs.get(key)
         if graphs is None:
-            homes = [k.device for k in self._graphs if k.device not in (None, device)]
-            if homes and device is not None:
-                _devices.check_follows(self._name, self.module, device, homes[0], args, kwargs)
+            others = [k.device for k in self._graphs if k.device not in (None, device)]
+            if others and device is not None:  # graphs on another device: may it follow?
+                _devices.check_follows(self._name, self.module, device, others[0], args, kwargs)
             if values and self._static_values(mode, device) >= self._shapes.max_graphs:
                 return key, None
             kind = BucketGraphs if isinstance(self._shapes, Buckets) else Graphs
@@ -381,7 +381,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         return overflow.call(self._fn, args, kwargs, self._lock, reason, message, 5)
 
     def _current_graphs(self) -> Graphs | None:  # the current mode's, on the last call's device
-        where = self._where
+        where = self._last_key
         if where is None:
             return None
         return self._graphs.get(GraphsKey(_modes.current_mode(self.module), *where[1:]))

@@ -11,7 +11,7 @@ replay of one: the full check, which raises the error naming the leaf, then the 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -25,9 +25,14 @@ from .._values.tree import Flat
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
 
-# A plain graph with one tensor in and one out and nothing else to do: its static input
-# list, static output and replay, which the replay path launches itself, without a call.
-Bare = tuple[list[torch.Tensor], torch.Tensor, Callable[[], None]]
+
+class OneTensorGraph(NamedTuple):
+    """A plain graph with one tensor in and one out and nothing else to do, which a graph's
+    entry launches itself, without a call: its static input list, static output, replay."""
+
+    static_inputs: list[torch.Tensor]
+    static_output: torch.Tensor
+    replay: Callable[[], None]
 
 
 class Captured:
@@ -41,7 +46,7 @@ class Captured:
     (`_capture.autograd.DifferentiableCall`)."""
 
     training_step = False
-    bare: Bare | None = None  # set by a plain one-tensor graph (see `GraphCall`)
+    one_tensor: OneTensorGraph | None = None  # set by a plain one-tensor graph (see `GraphCall`)
     # Where the graph's launch gives more outputs than the computed ones (an autograd node
     # gives all of them): the indices of those that are not inputs or views of inputs.
     _computed: list[int] | None = None

@@ -96,10 +96,10 @@ class GraphEntry:
         # The state it reads (see `_state.state`): a replaced parameter is a miss, and a recapture.
         self._state_holds = graph.state.fresh if graph.state is not None else None
         # A plain graph with one tensor in and one out: its launch done here, without a call.
-        bare = graph.bare
-        self._static_inputs: list[torch.Tensor] | None = bare[0] if bare else None
-        self._static_output: torch.Tensor | None = bare[1] if bare else None
-        self._bare_replay: Callable[[], None] | None = bare[2] if bare else None
+        one = graph.one_tensor
+        self._static_inputs: list[torch.Tensor] | None = one.static_inputs if one else None
+        self._static_output: torch.Tensor | None = one.static_output if one else None
+        self._one_tensor_replay: Callable[[], None] | None = one.replay if one else None
 
     def alive(self) -> bool:
         """Whether its graph is still its runner's (not captured again since)."""
@@ -125,10 +125,10 @@ class GraphEntry:
         state_holds = self._state_holds
         if not same or (state_holds is not None and not state_holds()):
             return MISS
-        bare_replay = self._bare_replay
-        if bare_replay is not None:
+        one_tensor_replay = self._one_tensor_replay
+        if one_tensor_replay is not None:
             foreach_copy_(self._static_inputs, tensors)  # type: ignore[arg-type]  # faster than copy_
-            bare_replay()
+            one_tensor_replay()
             fresh: Sequence[torch.Tensor] = (self._static_output.clone(),)  # type: ignore[union-attr]
         else:
             fresh = self.graph.launch(tensors)

@@ -31,7 +31,7 @@ from .._values.signature import Signature, validate
 from . import captured as _captured
 from .autograd import Capture, DifferentiableCall
 from .backend import Backend, Graph
-from .captured import Captured
+from .captured import Captured, OneTensorGraph
 
 
 class GraphCall(Captured):
@@ -60,7 +60,7 @@ class GraphCall(Captured):
         # One tensor in and one out, nothing else to do: the replay path launches it itself.
         one = len(self._static_inputs) == 1 and len(outputs.static) == 1
         if one and not mutated and watch is None and views is None:
-            self.bare = (self._static_inputs, outputs.static[0], self._replay)
+            self.one_tensor = OneTensorGraph(self._static_inputs, outputs.static[0], self._replay)
 
     def rows(self, signature: Signature, outputs: Outputs) -> GraphCall:
         """This graph replayed on fewer rows: ``signature``'s static inputs and ``outputs``'

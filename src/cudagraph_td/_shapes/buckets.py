@@ -73,7 +73,7 @@ class BucketGraphs(Graphs):
         # Once a bucket's graph is captured, calls like this one take its rows' entry.
         view = self._rows(size, runner, batch, args, kwargs)
         if view is None:
-            return Answer(result, answer.entry, answer.replayed, servable=False)
+            return Answer(result, answer.entry, answer.replayed, for_table=False)
         return Answer(result, view, answer.replayed)
 
     def _check(
@@ -124,7 +124,7 @@ class BucketGraphs(Graphs):
             if each == size:
                 result = _padding.rows(self.name, out, size, batch)
                 view = self._rows(size, runner, batch, args, kwargs)
-                answer = Answer(result, view, servable=view is not None)
+                answer = Answer(result, view, for_table=view is not None)
         return answer
 
     def _refuse(self, size: tuple[int, ...], runner: GraphRunner) -> None:

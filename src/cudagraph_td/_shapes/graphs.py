@@ -70,7 +70,7 @@ class Answer(NamedTuple):
     result: Any
     entry: GraphEntry | None = None
     replayed: bool = False
-    servable: bool = True
+    for_table: bool = True
 
 
 class Graphs:
@@ -184,7 +184,7 @@ class Graphs:
                 out = _captured.call(entry.graph, args, kwargs, flat)
                 where = (key, rows, padded_rows)
                 self._counts[where] = self._counts.get(where, 0) + 1
-                return Answer(out, entry, replayed=True, servable=False)
+                return Answer(out, entry, replayed=True, for_table=False)
         out = runner.run(args, kwargs)
         return Answer(out, self.entry(key, runner))
 
