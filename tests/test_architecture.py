@@ -7,8 +7,14 @@ import ast
 import pathlib
 import pydoc
 import re
+import sys
+from collections.abc import Callable
+from typing import Any
 
 import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
 
 import cudagraph_td
 
@@ -277,3 +283,106 @@ def test_the_private_use_scan_sees(code: str) -> None:
 )
 def test_the_private_use_scan_leaves(code: str) -> None:
     assert private_uses(code, {"_graphs"}, {"_compat"}) == []
+
+
+# What a capture gives the layer below it to run: the function under capture (wrapped in
+# `run_static`, `Capture._run_forward` or a lambda) and its saved-tensors hook (`keep`), which
+# the recorder calls as torch's capture calls the function. Not a path of the library.
+_CAPTURED = {"run_static", "_run_forward", "<lambda>", "keep"}
+
+
+def _calls_upward(run: Callable[[], Any]) -> list[str]:
+    """The calls that ``run()`` makes from a module of the package to one of a layer above
+    it (each call from its nearest caller in the package: tensordict's dispatch between them
+    is seen through)."""
+    package = "cudagraph_td."
+    upward: set[str] = set()
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event != "call":
+            return
+        callee = frame.f_globals.get("__name__", "")
+        if not callee.startswith(package):
+            return
+        caller = frame.f_back
+        while caller is not None and not caller.f_globals.get("__name__", "").startswith(package):
+            caller = caller.f_back
+        if caller is None:
+            return
+        outer = caller.f_globals["__name__"][len(package) :]
+        inner = callee[len(package) :]
+        if frame.f_code.co_name in _CAPTURED and inner in ("_capture.graph", "_capture.autograd"):
+            return  # the function under capture, which the recorder runs (see `_CAPTURED`)
+        if outer and inner and _layer(inner) < _layer(outer):
+            upward.add(f"{outer}.{caller.f_code.co_name} -> {inner}.{frame.f_code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return sorted(upward)
+
+
+def _net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _function_calls() -> None:
+    graphed = cudagraph_td.CudaGraphModule(_net(), warmup=2, backend="emulate")
+    for grad in (False, True):  # a plain graph, then forward and backward in one node
+        with torch.set_grad_enabled(grad):
+            for _ in range(4):
+                graphed(torch.randn(3, 4))
+            graphed._table.clear()  # a replay on the slow path too
+            graphed(torch.randn(3, 4))
+
+
+def _module_calls() -> None:
+    policy = TensorDictModule(_net(), in_keys=["obs"], out_keys=["action"])
+    graphed = cudagraph_td.CudaGraphModule(policy, warmup=2, backend="emulate")
+    with torch.no_grad():
+        for _ in range(4):
+            graphed(TensorDict(obs=torch.randn(3, 4), batch_size=[3]))
+            graphed(obs=torch.randn(3, 4))
+        graphed._table.clear()
+        graphed(TensorDict(obs=torch.randn(3, 4), batch_size=[3]))
+
+
+def _shaped_calls() -> None:
+    for shapes in (cudagraph_td.Exact(), cudagraph_td.Buckets([4, 8])):
+        graphed = cudagraph_td.CudaGraphModule(_net(), warmup=2, backend="emulate", shapes=shapes)
+        with torch.no_grad():
+            for batch in (3, 5, 3, 5, 3, 5):
+                graphed(torch.randn(batch, 4))
+            graphed._table.clear()
+            graphed(torch.randn(3, 4))
+
+
+def _training_steps() -> None:
+    net = _net()
+    opt = torch.optim.Adam(net.parameters(), lr=torch.tensor(1e-3), capturable=True)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=False)
+        loss = net(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    graphed = cudagraph_td.CudaGraphModule(step, warmup=2, backend="emulate")
+    for _ in range(4):
+        graphed(torch.randn(3, 4))
+    graphed._table.clear()
+    graphed(torch.randn(3, 4))
+
+
+@pytest.mark.parametrize(
+    "run",
+    [_function_calls, _module_calls, _shaped_calls, _training_steps],
+    ids=["function", "tensordict-module", "exact-and-buckets", "training-step"],
+)
+def test_the_capture_and_replay_paths_go_one_way_down(run: Callable[[], None]) -> None:
+    # Every call inside the package, from the first warm-up to the replays (on the table's
+    # path and on the slow path), goes to a module of its own layer or of one below it.
+    assert _calls_upward(run) == []
