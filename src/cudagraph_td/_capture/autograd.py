@@ -119,7 +119,8 @@ class DifferentiableCall(Captured):
 
     Built by ``capture.capture_backward`` (see `Capture`) from its captured forward and the
     backward graph ``bwd_graph``, which reads the incoming gradients from ``grad_outputs``
-    and writes ``grad_inputs`` (one per tensor of ``capture.surface``, ``None`` if unused).
+    and writes ``grad_inputs`` (one per tensor that the backward differentiates: see
+    ``Capture._gradients``; ``None`` if unused).
     """
 
     def __init__(
@@ -329,13 +330,14 @@ class Capture:
         self._keep_example(example, inputs)
         self.example_grads = self.backend.warmup(lambda: self._gradients(example, inputs))
 
-    def _capture(self, graph: str, fn: Callable[[], Any], like: Any) -> tuple[Graph, Any]:
-        """``backend.capture``, whose failure raises the error that names the call."""
+    def _capture(self, which: str, fn: Callable[[], Any], like: Any) -> tuple[Graph, Any]:
+        """``backend.capture`` of the ``which`` graph ("forward" or "backward"), whose
+        failure raises the error that names the call."""
         try:
             return self.backend.capture(fn, like=like)
         except Exception as err:
             raise _errors.capture_failure(
-                self.name, f"capture the {graph} graph", err, device=self.backend.device
+                self.name, f"capture the {which} graph", err, device=self.backend.device
             ) from err
 
     def capture_forward(self) -> None:
