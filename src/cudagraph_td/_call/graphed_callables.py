@@ -139,20 +139,20 @@ def make_graphed_callables(
     device = backends[0].device
     if torch.is_autocast_enabled(device.type) and torch.is_autocast_cache_enabled():
         raise _errors_graphed.autocast_cache()
-    captures: list[list[Capture]] = [[] for _ in callables]
-    for fn, each, mine in zip(callables, samples, captures, strict=True):
+    # Each shape's captures, with the index of their callable, all warmed up first.
+    in_pools: list[list[tuple[int, Capture]]] = [[] for _ in backends]
+    for i, (fn, each) in enumerate(zip(callables, samples, strict=True)):
         described = getattr(fn, "__qualname__", None) or type(fn).__name__
         name = f"{_errors.GRAPHED_CALLABLES}({described})"  # its errors tell by it
         forward = fn.forward if isinstance(fn, torch.nn.Module) else fn
-        for (args, kwargs), graph_backend in zip(each, backends, strict=False):
+        for (args, kwargs), graph_backend, in_pool in zip(each, backends, in_pools, strict=False):
             signature = Signature(name, args, kwargs, device, allow_grad=True)
             capture = Capture(name, forward, signature, graph_backend, [], allow_unused_input)
             # The emulation builds its static buffers from an eager result: it needs one run.
             capture.warmup(num_warmup_iters if backend == "cuda" else max(1, num_warmup_iters))
-            mine.append(capture)
+            in_pool.append((i, capture))
     calls: list[list[DifferentiableCall]] = [[] for _ in callables]  # in the shapes' order
-    for k in range(shapes):
-        in_pool = [(i, mine[k]) for i, mine in enumerate(captures) if k < len(mine)]
+    for in_pool in in_pools:
         for _, capture in in_pool:  # forwards in order, backwards in reverse
             capture.capture_forward()
         for i, capture in reversed(in_pool):
