@@ -107,9 +107,11 @@ def make_graphed_callables(
         sample_kwargs = ({} if sample_kwargs is None else sample_kwargs,)
     elif sample_kwargs is None:
         sample_kwargs = tuple({} for _ in callables)
-    _check_arguments(
-        callables, sample_args, sample_kwargs, num_warmup_iters, capture_error_mode, backend
-    )
+    _check_samples(callables, sample_args, sample_kwargs)
+    check_options(backend, capture_error_mode)
+    for fn in callables:
+        if isinstance(fn, torch.nn.Module):
+            _check_module(fn)
     if backend == "auto":
         if not torch.cuda.is_available():
             warnings.warn(
@@ -131,35 +133,31 @@ def make_graphed_callables(
     # other shape's graphs use. A pool given by the user is shared by all.
     backends = []
     for k in range(shapes):
-        shape_pool = pool
-        if backend == "cuda" and pool is None:
-            shape_pool = torch.cuda.graph_pool_handle()
+        shape_pool = torch.cuda.graph_pool_handle() if backend == "cuda" and pool is None else pool
         example = [each[k] for each in samples if k < len(each)]
         backends.append(make_backend(backend, None, shape_pool, capture_error_mode, example))
     device = backends[0].device
     if torch.is_autocast_enabled(device.type) and torch.is_autocast_cache_enabled():
         raise _errors_graphed.autocast_cache()
-    captures: list[list[Capture]] = [[] for _ in callables]
-    for fn, each, mine in zip(callables, samples, captures, strict=True):
-        name = f"{_errors.GRAPHED_CALLABLES}({_describe(fn)})"  # its errors tell by it
+    # Each shape's captures, with the index of their callable, all warmed up first.
+    in_pools: list[list[tuple[int, Capture]]] = [[] for _ in backends]
+    for i, (fn, each) in enumerate(zip(callables, samples, strict=True)):
+        described = getattr(fn, "__qualname__", None) or type(fn).__name__
+        name = f"{_errors.GRAPHED_CALLABLES}({described})"  # its errors tell by it
         forward = fn.forward if isinstance(fn, torch.nn.Module) else fn
-        for (args, kwargs), graph_backend in zip(each, backends, strict=False):
+        for (args, kwargs), graph_backend, in_pool in zip(each, backends, in_pools, strict=False):
             signature = Signature(name, args, kwargs, device, allow_grad=True)
             capture = Capture(name, forward, signature, graph_backend, [], allow_unused_input)
             # The emulation builds its static buffers from an eager result: it needs one run.
             capture.warmup(num_warmup_iters if backend == "cuda" else max(1, num_warmup_iters))
-            mine.append(capture)
-    calls: list[list[DifferentiableCall | None]] = [[None] * len(each) for each in samples]
-    for k in range(shapes):
-        in_pool = [(i, mine[k]) for i, mine in enumerate(captures) if k < len(mine)]
+            in_pool.append((i, capture))
+    calls: list[list[DifferentiableCall]] = [[] for _ in callables]  # in the shapes' order
+    for in_pool in in_pools:
         for _, capture in in_pool:  # forwards in order, backwards in reverse
             capture.capture_forward()
         for i, capture in reversed(in_pool):
-            calls[i][k] = capture.capture_backward(modules_state(callables[i]))
-    graphed = tuple(
-        _graphed(fn, [c for c in mine if c is not None])
-        for fn, mine in zip(callables, calls, strict=True)
-    )
+            calls[i].append(capture.capture_backward(modules_state(callables[i])))
+    graphed = tuple(_graphed(fn, mine) for fn, mine in zip(callables, calls, strict=True))
     return graphed[0] if single else graphed
 
 
@@ -174,18 +172,7 @@ def _shapes_of(args: Any, kwargs: Any) -> list[tuple[Any, dict[str, Any]]]:
     return list(zip(args, kwargs, strict=True))
 
 
-def _describe(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or type(fn).__name__
-
-
-def _check_arguments(
-    callables: tuple[Any, ...],
-    sample_args: Any,
-    sample_kwargs: Any,
-    num_warmup_iters: int,
-    capture_error_mode: str,
-    backend: str,
-) -> None:
+def _check_samples(callables: tuple[Any, ...], sample_args: Any, sample_kwargs: Any) -> None:
     if not isinstance(sample_args, tuple):
         raise _errors_graphed.sample_args_not_tuples(sample_args)
     for samples in sample_args:  # one callable's
@@ -195,10 +182,6 @@ def _check_arguments(
         raise _errors_graphed.sample_kwargs_not_dicts()
     if not len(callables) == len(sample_args) == len(sample_kwargs):
         raise _errors_graphed.sample_counts(len(callables), len(sample_args), len(sample_kwargs))
-    check_options(backend, capture_error_mode)
-    for fn in callables:
-        if isinstance(fn, torch.nn.Module):
-            _check_module(fn)
 
 
 def _all(samples: Any, kind: type) -> bool:

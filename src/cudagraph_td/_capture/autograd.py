@@ -33,7 +33,8 @@ from .captured import Captured
 def _leaves_requiring_grad(
     outputs: Sequence[torch.Tensor], stop: Sequence[torch.Tensor]
 ) -> list[torch.Tensor]:
-    """The leaf tensors that require grad and that ``outputs`` depend on, except ``stop``.
+    """The leaf tensors that require grad and that ``outputs`` (tensors that require grad)
+    depend on, except ``stop``.
 
     The walk follows the autograd graph from the outputs to its ``AccumulateGrad`` nodes; it
     does not go past the nodes of the tensors in ``stop`` (the call's own inputs).
@@ -41,8 +42,8 @@ def _leaves_requiring_grad(
     stop_ids = {id(t) for t in stop}
     seen: set[Any] = {t.grad_fn for t in stop if t.grad_fn is not None}
     found: dict[int, torch.Tensor] = {}
-    pending: list[Any] = [o.grad_fn for o in outputs if o.grad_fn is not None]
-    pending += [o for o in outputs if o.grad_fn is None and o.requires_grad]  # leaf outputs
+    # A leaf output is its own node.
+    pending: list[Any] = [o if o.grad_fn is None else o.grad_fn for o in outputs]
     while pending:
         node = pending.pop()
         # A leaf: an output that is one, or the variable of an `AccumulateGrad` node.
@@ -118,7 +119,8 @@ class DifferentiableCall(Captured):
 
     Built by ``capture.capture_backward`` (see `Capture`) from its captured forward and the
     backward graph ``bwd_graph``, which reads the incoming gradients from ``grad_outputs``
-    and writes ``grad_inputs`` (one per tensor of ``capture.surface``, ``None`` if unused).
+    and writes ``grad_inputs`` (one per tensor that the backward differentiates: see
+    ``Capture._gradients``; ``None`` if unused).
     """
 
     def __init__(
@@ -131,18 +133,18 @@ class DifferentiableCall(Captured):
     ):
         assert capture.outputs is not None and capture.differentiable is not None
         assert capture.fwd_graph is not None and capture.params is not None
-        signature, outputs, views = capture.signature, capture.outputs, capture.views
-        super().__init__(signature, outputs, state, capture.mutated, views)
+        views = capture.views
+        super().__init__(capture.signature, capture.outputs, state, capture.mutated, views)
         self.name = capture.name
         self.label = capture.name  # the graph, as log records name it (set by its `GraphRunner`)
         # The device's replay order (see `_capture.sharing`); None off CUDA.
         self.order: _sharing.ReplayOrder | None = None
         if isinstance(capture.backend, CudaBackend):
             self.order = _sharing.replay_order(capture.backend.device.index)
-        self.static_inputs = signature.static_inputs
-        self.n_inputs = len(signature.static_inputs)
+        self.static_inputs = capture.signature.static_inputs
+        self.n_inputs = len(self.static_inputs)
         self.params = capture.params
-        static_outputs = outputs.static
+        static_outputs = capture.outputs.static
         # The one output tensor, cloned without a loop; None for any other number.
         self.one_output = static_outputs[0] if len(static_outputs) == 1 else None
         differentiable = capture.differentiable
@@ -172,8 +174,8 @@ class DifferentiableCall(Captured):
         # no backward ran (see `_errors.log.no_backward`); 0 once a backward ran, or the hint
         # was given. Read from the counter that the forward keeps anyway: one comparison.
         self.hint_at = _log.NO_BACKWARD_REPLAYS
-        self._graphs = (capture.fwd_graph, bwd_graph)  # held for the life of the call
-        self._saved = capture.saved
+        # Held for the life of the call: its graphs, and what the forward saved for the backward.
+        self._held = (capture.fwd_graph, bwd_graph, capture.saved)
         # The caller's tensors that the forward writes get their new values outside autograd.
         self._copy_back = torch.no_grad()(self._writes.copy_back)
         # The node gives every output: those that are inputs or views of them (see
@@ -220,28 +222,6 @@ class DifferentiableCall(Captured):
         )
 
 
-def _differentiable_leaves(tree: Any) -> list[torch.Tensor]:
-    leaves, _ = _tree.flatten(tree)
-    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
-
-
-def _gradients(
-    outputs: Sequence[torch.Tensor],
-    surface: Sequence[torch.Tensor],
-    grad_outputs: Sequence[torch.Tensor] | None = None,
-) -> tuple[torch.Tensor | None, ...]:
-    """The gradients of ``outputs`` (for ``grad_outputs``, ones by default) with respect to
-    each tensor of ``surface``, ``None`` for those they do not depend on."""
-    if not outputs or not surface:  # nothing to differentiate: an empty backward
-        return (None,) * len(surface)
-    if grad_outputs is None:
-        grad_outputs = [torch.ones_like(o) for o in outputs]
-    # retain_graph: the emulation and a user's `retain_graph=True` may run it again.
-    return torch.autograd.grad(
-        outputs, surface, grad_outputs=grad_outputs, retain_graph=True, allow_unused=True
-    )
-
-
 class Capture:
     """Captures one callable for autograd: warm-up, then its forward, then its backward graph.
 
@@ -282,66 +262,83 @@ class Capture:
         self.outputs: Outputs | None = None
         self.saved: list[torch.Tensor] = []
 
-    def surface(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """What the backward differentiates with respect to: inputs, then other leaves."""
-        assert self.params is not None
-        return [inputs[i] for i in self.grad_inputs] + self.params
-
-    def _discover_params(self, outputs: Any, inputs: Sequence[torch.Tensor]) -> None:
-        # The leaves that the outputs depend on, other than the call's inputs: the module's
-        # parameters, or any tensor a function reads from its enclosing scope.
-        if self.params is None:
-            self.params = _leaves_requiring_grad(_differentiable_leaves(outputs), inputs)
-
     def _run_forward(self) -> Any:
         self._ran = True
         args, kwargs = self.signature.static_tree()
         self._latest = self.fn(*args, **kwargs)
         return self._latest
 
-    def _run_backward(
-        self, grad_outputs: Sequence[torch.Tensor] | None = None
+    def _gradients(
+        self,
+        result: Any,
+        inputs: Sequence[torch.Tensor],
+        grad_outputs: Sequence[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor | None, ...]:
-        outputs = _differentiable_leaves(self._latest)
-        return _gradients(outputs, self.surface(self.signature.static_inputs), grad_outputs)
+        """The gradients of the tensors of ``result`` that require grad (for ``grad_outputs``,
+        ones by default) with respect to what the backward differentiates: the tensors of
+        ``inputs`` that require grad, then the other leaves (``params``); ``None`` for those
+        the result does not depend on."""
+        assert self.params is not None
+        leaves, _ = _tree.flatten(result)
+        outputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+        surface = [inputs[i] for i in self.grad_inputs] + self.params
+        if not outputs or not surface:  # nothing to differentiate: an empty backward
+            return (None,) * len(surface)
+        if grad_outputs is None:
+            grad_outputs = [torch.ones_like(o) for o in outputs]
+        # retain_graph: the emulation and a user's `retain_graph=True` may run it again.
+        return torch.autograd.grad(
+            outputs, surface, grad_outputs=grad_outputs, retain_graph=True, allow_unused=True
+        )
 
-    def _keep_example(self, example: Any) -> None:
-        # Keep no autograd graph of an eager run alive: the capture must create its own.
+    def _keep_example(self, example: Any, inputs: Sequence[torch.Tensor]) -> None:
+        """Keep what an eager result of the call on ``inputs`` tells: its tensors that require
+        grad, the leaves they depend on other than ``inputs`` (the module's parameters, or any
+        tensor a function reads from its enclosing scope), found once, and the result itself,
+        detached: no autograd graph of an eager run stays alive, the capture must create its
+        own."""
         leaves, spec = _tree.flatten(example)
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         self.differentiable = [i for i, t in enumerate(tensors) if t.requires_grad]
+        if self.params is None:
+            self.params = _leaves_requiring_grad([tensors[i] for i in self.differentiable], inputs)
         detached = [leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         self.example = _tree.unflatten(spec, detached)
 
     def warmup(self, iterations: int) -> None:
-        """Run forward and backward eagerly on the static inputs, before the capture."""
+        """Run forward and backward eagerly on the static inputs, before the capture; then
+        refuse an input that requires grad and that the outputs do not depend on, unless
+        ``allow_unused_input``."""
         for _ in range(iterations):
             example = self.backend.warmup(self._run_forward)
-            self._discover_params(example, self.signature.static_inputs)
-            self.example_grads = self.backend.warmup(self._run_backward)
-            self._keep_example(example)
+            self.warmup_backward(example, self.signature.static_inputs)
             del example
         self._latest = None
-        self._check_unused()
-
-    def warmup_backward(self, example: Any, inputs: Sequence[torch.Tensor]) -> None:
-        """Run the backward of an eager result on ``inputs`` (the caller's), before the capture.
-
-        The result keeps its autograd graph: the caller may still run its backward.
-        """
-        self._keep_example(example)
-        self._discover_params(example, inputs)
-        outputs, surface = _differentiable_leaves(example), self.surface(inputs)
-        self.example_grads = self.backend.warmup(lambda: _gradients(outputs, surface))
-        self._check_unused()
-
-    def _check_unused(self) -> None:
         if self.allow_unused_input or self.example_grads is None:
             return
         paths = self.signature.tensor_paths()
         for slot, i in enumerate(self.grad_inputs):
             if self.example_grads[slot] is None:
                 raise _errors.unused_input(self.name, paths[i])
+
+    def warmup_backward(self, example: Any, inputs: Sequence[torch.Tensor]) -> None:
+        """Run the backward of an eager result on ``inputs`` (the static ones, or the
+        caller's), before the capture.
+
+        The result keeps its autograd graph: the caller may still run its backward.
+        """
+        self._keep_example(example, inputs)
+        self.example_grads = self.backend.warmup(lambda: self._gradients(example, inputs))
+
+    def _capture(self, which: str, fn: Callable[[], Any], like: Any) -> tuple[Graph, Any]:
+        """``backend.capture`` of the ``which`` graph ("forward" or "backward"), whose
+        failure raises the error that names the call."""
+        try:
+            return self.backend.capture(fn, like=like)
+        except Exception as err:
+            raise _errors.capture_failure(
+                self.name, f"capture the {which} graph", err, device=self.backend.device
+            ) from err
 
     def capture_forward(self) -> None:
         # Hold every tensor that the forward saves for its backward: once the capture is
@@ -357,42 +354,31 @@ class Capture:
             saved.append(detached)
             return detached
 
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-                graph, static_out = self.backend.capture(self._run_forward, like=self.example)
-        except Exception as err:
-            raise _errors.capture_failure(
-                self.name, "capture the forward graph", err, device=self.backend.device
-            ) from err
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            graph, static_out = self._capture("forward", self._run_forward, self.example)
         # On CUDA the recorded outputs carry the autograd graph; the emulation's are buffers.
-        self._discover_params(static_out, self.signature.static_inputs)
-        outputs = Outputs(self.name, static_out, self.backend.device, allow_grad=True)
-        if self.differentiable is None:  # no warm-up: the recorded outputs tell
-            self.differentiable = [i for i, t in enumerate(outputs.static) if t.requires_grad]
-        self.fwd_graph, self.outputs, self.saved = graph, outputs, saved
+        if self.params is None:  # no warm-up: the recorded outputs tell
+            self._keep_example(static_out, self.signature.static_inputs)
+        self.outputs = Outputs(self.name, static_out, self.backend.device, allow_grad=True)
+        self.fwd_graph, self.saved = graph, saved
 
     def capture_backward(self, state: State | None = None) -> DifferentiableCall:
         """Capture the backward of the captured forward; return the complete call, which
         follows ``state`` (see `_state.state`)."""
         assert self.outputs is not None and self.differentiable is not None
-        static_outputs = self.outputs.static
+        inputs = self.signature.static_inputs
         with torch.no_grad():
-            grad_outputs = [torch.empty_like(static_outputs[i]) for i in self.differentiable]
-        try:
-            graph, grads = self.backend.capture(
-                lambda: self._run_backward(grad_outputs), like=self.example_grads
-            )
-        except Exception as err:
-            raise _errors.capture_failure(
-                self.name, "capture the backward graph", err, device=self.backend.device
-            ) from err
+            grad_outputs = [torch.empty_like(self.outputs.static[i]) for i in self.differentiable]
+        graph, grads = self._capture(
+            "backward",
+            lambda: self._gradients(self._latest, inputs, grad_outputs),
+            self.example_grads,
+        )
         # Drop the recorded autograd graph: the graphs replay without it, and its gradient
         # accumulators, tied to the capture stream, would make autograd synchronise (and
         # warn) at every backward on the caller's stream.
         self._latest = None
-        self.outputs.static = [t.detach() for t in static_outputs]
-        del static_outputs
-        assert grads is not None
+        self.outputs.static = [t.detach() for t in self.outputs.static]
         if self._ran:
-            self.mutated = written(self.signature.static_inputs, self._versions)
+            self.mutated = written(inputs, self._versions)
         return DifferentiableCall(self, graph, grad_outputs, grads, state)
