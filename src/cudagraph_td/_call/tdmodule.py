@@ -14,7 +14,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, unravel_key
@@ -23,18 +23,9 @@ from tensordict.nn import dispatch
 
 from .._capture.captured import Captured
 from .._errors import inputs as _errors
-from .._shapes.graphs import Answer
+from .._shapes.graphs import Answer, Graphs
 from .._values.input_views import WROTE_INPUT
-
-
-class Runner(Protocol):
-    """What runs the module's graphs (`_shapes.graphs.Graphs`): the layer calls it, and reads
-    whether a graph is captured."""
-
-    @property
-    def captured(self) -> Captured | None: ...
-
-    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Answer: ...
+from .._values.routes import key_tuple
 
 
 def resolve_keys(name: str, module: Any, in_keys: Any, out_keys: Any) -> tuple[Any, Any]:
@@ -99,9 +90,9 @@ class TensorDictLayer:
                 source=list(in_keys), dest=list(out_keys), auto_batch_size=False
             )(functools.partial(TensorDictLayer._call, self))
 
-    def call(self, runner: Runner, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Answer:
-        """Call the module's graph, whose stage ``runner`` runs, as the module is called: the
-        result, and the entry of the graph that answered (see `_shapes.graphs.Answer`)."""
+    def call(self, runner: Graphs, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Answer:
+        """Call the module's graph, which ``runner`` (the mode's graphs) runs, as the module is
+        called: the result, and the entry of the graph that answered (see `_shapes.graphs.Answer`)."""
         # The runner goes through dispatch as a keyword that no in_key can be named, with
         # whether the call is one of keyword tensors (dispatch makes their TensorDict), and
         # the list that receives the graphs' answer.
@@ -162,7 +153,7 @@ class TensorDictLayer:
             return None
         pairs = [
             (
-                f'kwargs["{"_".join(_key_tuple(key))}"]',
+                f'kwargs["{"_".join(key_tuple(key))}"]',
                 static[0].get(key, None),
                 inputs.get(key, None),
             )
@@ -228,7 +219,3 @@ def _laid_out_as_captured(inputs: Any, captured: Captured) -> Any:
         elif type(layout) is TensorDict and type(inputs) is LazyStackedTensorDict:
             return inputs.to_tensordict()
     return inputs
-
-
-def _key_tuple(key: Any) -> tuple[str, ...]:
-    return (key,) if isinstance(key, str) else tuple(key)
