@@ -206,11 +206,6 @@ class Tree:
         tensordicts = outputs.tensordicts
         self.rebuild = tensordicts.build if tensordicts is not None else outputs.rebuild
 
-    @staticmethod
-    def of(outputs: Outputs) -> Writer:
-        """The writer of a function's result: the tensor itself, if it is one tensor."""
-        return OneTensor() if outputs.single_tensor else Tree(outputs)
-
     def write(self, args: Args, kwargs: Kwargs, fresh: Sequence[torch.Tensor]) -> Any:
         return self.rebuild(fresh)
 
@@ -308,7 +303,8 @@ def routes(signature: Signature, outputs: Outputs) -> list[Route]:
             return found
     if is_written_input(result) or (type(result) is tuple and any(map(is_written_input, result))):
         return [Route(reader, IntoCallers(outputs))]
-    return [Route(reader, Tree.of(outputs))]
+    # One tensor: the tensor itself, without a tree to rebuild.
+    return [Route(reader, OneTensor() if outputs.single_tensor else Tree(outputs))]
 
 
 def _into_argument(reader: Reader, written: Any, outputs: Outputs) -> list[Route]:
