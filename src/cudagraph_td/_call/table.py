@@ -36,14 +36,6 @@ CallKey = Hashable
 ENTRIES_PER_KEY = 4
 
 
-def call_shapes(args: Args, kwargs: Kwargs) -> tuple[Any, ...]:
-    """The shapes of a call's arguments, by position then by keyword (None for one without)."""
-    shapes = [getattr(a, "shape", None) for a in args]
-    if kwargs:
-        shapes.extend((name, getattr(v, "shape", None)) for name, v in kwargs.items())
-    return tuple(shapes)
-
-
 class GraphTable:
     """The entries of a wrapper's graphs, by the key of the calls they answered.
 
@@ -62,7 +54,11 @@ class GraphTable:
         """The key of a call now (``mode``: the call's, if known already)."""
         key: CallKey = self._mode() if mode is None else mode
         if self._by_shapes:
-            key = (key, call_shapes(args, kwargs))
+            # The shapes of its arguments, by position then by keyword (None for one without).
+            shapes = [getattr(a, "shape", None) for a in args]
+            if kwargs:
+                shapes.extend((name, getattr(v, "shape", None)) for name, v in kwargs.items())
+            key = (key, tuple(shapes))
         if self._static is not None:
             key = (key, self._static.values(args, kwargs))
         return key

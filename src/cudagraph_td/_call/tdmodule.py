@@ -14,7 +14,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, unravel_key
@@ -23,18 +23,9 @@ from tensordict.nn import dispatch
 
 from .._capture.captured import Captured
 from .._errors import inputs as _errors
-from .._shapes.graphs import Answer
+from .._shapes.graphs import Answer, Graphs
 from .._values.input_views import WROTE_INPUT
-
-
-class Runner(Protocol):
-    """What runs the module's graphs (`_shapes.graphs.Graphs`): the layer calls it, and reads
-    whether a graph is captured."""
-
-    @property
-    def captured(self) -> Captured | None: ...
-
-    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Answer: ...
+from .._values.routes import key_tuple
 
 
 def resolve_keys(name: str, module: Any, in_keys: Any, out_keys: Any) -> tuple[Any, Any]:
@@ -99,9 +90,9 @@ class TensorDictLayer:
                 source=list(in_keys), dest=list(out_keys), auto_batch_size=False
             )(functools.partial(TensorDictLayer._call, self))
 
-    def call(self, runner: Runner, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Answer:
-        """Call the module's graph, whose stage ``runner`` runs, as the module is called: the
-        result, and the entry of the graph that answered (see `_shapes.graphs.Answer`)."""
+    def call(self, runner: Graphs, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Answer:
+        """Call the module's graph, which ``runner`` (the mode's graphs) runs, as the module is
+        called: the result, and the entry of the graph that answered (see `_shapes.graphs.Answer`)."""
         # The runner goes through dispatch as a keyword that no in_key can be named, with
         # whether the call is one of keyword tensors (dispatch makes their TensorDict), and
         # the list that receives the graphs' answer.
@@ -128,8 +119,7 @@ class TensorDictLayer:
                     raise _errors.missing_in_keys(self.name, missing)
             inputs = _batched_as_out(tensordict.select(*self.in_keys, strict=False), tensordict_out)
             if runner.captured is not None:
-                inputs = _batched_as_captured(inputs, runner.captured, keywords)
-                inputs = _laid_out_as_captured(inputs, runner.captured)
+                inputs = _as_captured(inputs, runner.captured, keywords)
         elif tensordict_out is not None:
             # A function that writes into its input writes into a copy, whose entries then
             # go to `tensordict_out`: the caller's TensorDict is left as it was.
@@ -162,7 +152,7 @@ class TensorDictLayer:
             return None
         pairs = [
             (
-                f'kwargs["{"_".join(_key_tuple(key))}"]',
+                f'kwargs["{"_".join(key_tuple(key))}"]',
                 static[0].get(key, None),
                 inputs.get(key, None),
             )
@@ -194,31 +184,26 @@ def _batched_as_out(inputs: Any, tensordict_out: TensorDictBase | None) -> Any:
     return inputs
 
 
-def _batched_as_captured(inputs: Any, captured: Captured, keywords: bool) -> Any:
-    """The ``in_keys`` entries of a call, with the batch size of the graph's TensorDict when
-    the call's lacks one: a graph captured from ``module(td)`` also answers keyword calls
-    (whose TensorDict, made by dispatch, has batch size ``[]``), and one captured from a
-    keyword call answers ``module(td)``. The module reads the same tensors either way;
-    entries that do not fit the captured batch size keep theirs, for the full check."""
-    static = captured.signature.static_args
-    batch_size = static[0].batch_size if static and is_tensor_collection(static[0]) else None
-    if batch_size is None or inputs.batch_size == batch_size:
-        return inputs
-    if keywords or batch_size == ():
-        with contextlib.suppress(RuntimeError):  # entries of other shapes: the check says
-            inputs.batch_size = batch_size
-    return inputs
+def _as_captured(inputs: Any, captured: Captured, keywords: bool) -> Any:
+    """The ``in_keys`` entries of a call, with the batch size and the layout of the graph's
+    TensorDict where the call's differ; the module reads the same tensors either way.
 
-
-def _laid_out_as_captured(inputs: Any, captured: Captured) -> Any:
-    """The ``in_keys`` entries of a call in the layout of the graph's TensorDict: a graph
-    captured on a lazy stack replays a dense TensorDict's entries (unbound into one per
-    stacked TensorDict: views, no copy), and a graph captured on a dense TensorDict a lazy
-    stack's (stacked: a copy). The module reads the same entries either way, as it does
-    eagerly. Other layouts, and entries that do not fit, are left to the full check."""
+    The batch size, when the call's lacks one: a graph captured from ``module(td)`` also
+    answers keyword calls (whose TensorDict, made by dispatch, has batch size ``[]``), and
+    one captured from a keyword call answers ``module(td)``. The layout: a graph captured
+    on a lazy stack replays a dense TensorDict's entries (unbound into one per stacked
+    TensorDict: views, no copy), and a graph captured on a dense TensorDict a lazy stack's
+    (stacked: a copy), as the module reads them eagerly. Other layouts, and entries that do
+    not fit, are left to the full check."""
     static = captured.signature.static_args
     layout = static[0] if static and is_tensor_collection(static[0]) else None
-    if layout is None or type(inputs) is type(layout):
+    if layout is None:
+        return inputs
+    batch_size = layout.batch_size
+    if inputs.batch_size != batch_size and (keywords or batch_size == ()):
+        with contextlib.suppress(RuntimeError):  # entries of other shapes: the check says
+            inputs.batch_size = batch_size
+    if type(inputs) is type(layout):
         return inputs
     with contextlib.suppress(RuntimeError, ValueError):  # the full check says what differs
         if type(layout) is LazyStackedTensorDict and type(inputs) is TensorDict:
@@ -228,7 +213,3 @@ def _laid_out_as_captured(inputs: Any, captured: Captured) -> Any:
         elif type(layout) is TensorDict and type(inputs) is LazyStackedTensorDict:
             return inputs.to_tensordict()
     return inputs
-
-
-def _key_tuple(key: Any) -> tuple[str, ...]:
-    return (key,) if isinstance(key, str) else tuple(key)

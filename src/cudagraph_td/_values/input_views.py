@@ -23,6 +23,7 @@ the function wrote set into it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -157,17 +158,11 @@ def _within(start: int, end: int, t: torch.Tensor) -> bool:
 _Argument = int | str
 
 
+@dataclass(frozen=True)
 class WrittenInput:
     """The marker of the written-input form: ``(WrittenInput(argument), entries)``."""
 
-    def __init__(self, argument: _Argument):
-        self.argument = argument
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, WrittenInput) and other.argument == self.argument
-
-    def __hash__(self) -> int:
-        return hash((WrittenInput, self.argument))
+    argument: _Argument
 
     def __repr__(self) -> str:
         return f"<the caller's TensorDict {self.argument!r}>"
@@ -177,10 +172,21 @@ def tensordicts_before(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[_A
     """The entries of each TensorDict argument before a call (for `ReturnedTensorDicts.of`)."""
     arguments: list[tuple[_Argument, Any]] = [*enumerate(args), *kwargs.items()]
     return {
-        where: (value, dict(value.items(include_nested=True, leaves_only=True)))
+        where: (value, _entries(value))
         for where, value in arguments
         if isinstance(value, TensorDictBase)
     }
+
+
+def _entries(td: TensorDictBase) -> dict[Any, Any]:
+    """The leaves of ``td`` by key, nested keys included."""
+    return dict(td.items(include_nested=True, leaves_only=True))
+
+
+def _written(td: TensorDictBase, before: dict[Any, Any]) -> list[Any]:
+    """The keys that a call wrote into ``td`` (new keys, and keys rebound to other tensors,
+    such as a recurrent state); ``before``: its `_entries` before the call."""
+    return [key for key, value in _entries(td).items() if before.get(key) is not value]
 
 
 class ReturnedTensorDicts:
@@ -204,12 +210,7 @@ class ReturnedTensorDicts:
         for place, item in items:
             for where, (td, entries) in before.items():
                 if item is td:
-                    written = [
-                        key
-                        for key, value in td.items(include_nested=True, leaves_only=True)
-                        if entries.get(key) is not value
-                    ]
-                    places.append((place, where, written))
+                    places.append((place, where, _written(td, entries)))
                     break
         return cls(places) if places else None
 
@@ -274,20 +275,15 @@ def recording_writes(module: Callable[..., Any]) -> Callable[..., Any]:
 
     When ``module(td, ...)`` returns ``td`` itself, the wrapper returns
     ``(WROTE_INPUT, entries)``, where ``entries`` holds the entries that the call wrote
-    (new keys, and keys rebound to other tensors, such as a recurrent state). The graph then
-    treats them as outputs, returned in fresh memory at each replay.
+    (see `_written`). The graph then treats them as outputs, returned in fresh memory at
+    each replay.
     """
 
     def call(td: Any, *args: Any, **kwargs: Any) -> Any:
-        before = dict(td.items(include_nested=True, leaves_only=True))
+        before = _entries(td)
         out = module(td, *args, **kwargs)
         if out is not td:
             return out
-        written = [
-            key
-            for key, value in td.items(include_nested=True, leaves_only=True)
-            if before.get(key) is not value
-        ]
-        return (WROTE_INPUT, td.select(*written))
+        return (WROTE_INPUT, td.select(*_written(td, before)))
 
     return call

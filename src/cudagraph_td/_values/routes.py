@@ -206,11 +206,6 @@ class Tree:
         tensordicts = outputs.tensordicts
         self.rebuild = tensordicts.build if tensordicts is not None else outputs.rebuild
 
-    @staticmethod
-    def of(outputs: Outputs) -> Writer:
-        """The writer of a function's result: the tensor itself, if it is one tensor."""
-        return OneTensor() if outputs.single_tensor else Tree(outputs)
-
     def write(self, args: Args, kwargs: Kwargs, fresh: Sequence[torch.Tensor]) -> Any:
         return self.rebuild(fresh)
 
@@ -262,15 +257,10 @@ _checked: Callable[[TensorDict, Any, torch.Tensor], None] = TensorDict.__setitem
 """``td[key] = value``: the entry checked, moved to the TensorDict's device."""
 
 
-class IntoCallers:
+class IntoCallers(Tree):
     """A result that holds the caller's TensorDicts (a function that returns its input
     TensorDict in a tuple, or one that is not its first argument): the result rebuilt, then
     the written entries set into the caller's (`_values.input_views.into_callers`)."""
-
-    returns_first = False
-
-    def __init__(self, outputs: Outputs):
-        self.rebuild = Tree(outputs).rebuild
 
     def write(self, args: Args, kwargs: Kwargs, fresh: Sequence[torch.Tensor]) -> Any:
         return into_callers(args, kwargs, self.rebuild(fresh))
@@ -307,13 +297,23 @@ def routes(signature: Signature, outputs: Outputs) -> list[Route]:
     that sets the written entries into it."""
     reader = reader_for(signature)
     result = outputs.rebuild(outputs.static)
-    if is_written_input(result) and isinstance(reader, TensorDictEntries):
-        keys = _tree.leaf_keys(result[1])
-        if result[0].argument == 0 and len(keys) == len(outputs.static):  # all tensors
-            return [Route(reader, IntoTensorDict(keys, outputs.device))]
+    if is_written_input(result) and result[0].argument == 0:
+        found = _into_argument(reader, result[1], outputs)
+        if found:
+            return found
     if is_written_input(result) or (type(result) is tuple and any(map(is_written_input, result))):
         return [Route(reader, IntoCallers(outputs))]
-    return [Route(reader, Tree.of(outputs))]
+    # One tensor: the tensor itself, without a tree to rebuild.
+    return [Route(reader, OneTensor() if outputs.single_tensor else Tree(outputs))]
+
+
+def _into_argument(reader: Reader, written: Any, outputs: Outputs) -> list[Route]:
+    """The route that sets the entries ``written`` into the call's one TensorDict, where
+    ``reader`` reads that TensorDict whole and the entries are all tensors; else none."""
+    keys = _tensor_keys(written)
+    if not isinstance(reader, TensorDictEntries) or keys is None:
+        return []
+    return [Route(reader, IntoTensorDict(keys, outputs.device))]
 
 
 class Routing:
@@ -321,9 +321,9 @@ class Routing:
     its ``in_keys`` and ``out_keys`` (see `_call.tdmodule`)."""
 
     def __init__(self, in_keys: Sequence[Any], out_keys: Sequence[Any]):
-        self.in_keys = [_key_tuple(key) for key in in_keys]
+        self.in_keys = [key_tuple(key) for key in in_keys]
         # The out-key "_" marks an output that is not returned, as in tensordict.
-        self.returned = [_key_tuple(key) for key in out_keys if key != "_"]
+        self.returned = [key_tuple(key) for key in out_keys if key != "_"]
 
     def routes(self, signature: Signature, outputs: Outputs) -> list[Route]:
         """``module(td)``: the ``in_keys`` entries read by key, the written entries set into
@@ -345,13 +345,9 @@ class Routing:
             # it is, or, written into the one TensorDict, set into the caller's.
             if not wrote_input:
                 return routes(signature, outputs)
-            whole, written = reader_for(signature), _tensor_keys(result[1])
-            if not isinstance(whole, TensorDictEntries) or written is None:
-                return []
-            return [Route(whole, IntoTensorDict(written, outputs.device))]
-        if signature.static_kwargs or len(signature.static_args) != 1:
-            return []
-        selected = signature.static_args[0]
+            return _into_argument(reader_for(signature), result[1], outputs)
+        args = signature.static_args
+        selected = args[0] if len(args) == 1 and not signature.static_kwargs else None
         if type(selected) is not TensorDict or not wrote_input:
             return []
         in_paths = _tensor_keys(selected)
@@ -359,15 +355,13 @@ class Routing:
         # Read by key, the in_keys must be the graph's inputs: each one a tensor.
         if in_paths is None or out_paths is None or set(in_paths) != set(self.in_keys):
             return []
-        batch_size = selected.batch_size
+        batch_size, device = selected.batch_size, outputs.device
         found = [
-            Route(
-                TensorDictEntries(in_paths, batch_size), IntoTensorDict(out_paths, outputs.device)
-            ),
+            Route(TensorDictEntries(in_paths, batch_size), IntoTensorDict(out_paths, device)),
             # `module(td, tensordict_out=out)`, the outputs written into `out`.
             Route(
                 TensorDictEntriesOut(in_paths, batch_size),
-                IntoTensorDict(out_paths, outputs.device, into_out=True),
+                IntoTensorDict(out_paths, device, into_out=True),
             ),
         ]
         if all(key in out_paths for key in self.returned):  # read by name, whatever the batch
@@ -377,7 +371,8 @@ class Routing:
         return found
 
 
-def _key_tuple(key: Any) -> tuple[str, ...]:
+def key_tuple(key: Any) -> tuple[str, ...]:
+    """A TensorDict key as a tuple: ``"obs"`` as ``("obs",)``."""
     return (key,) if isinstance(key, str) else tuple(key)
 
 
@@ -386,4 +381,4 @@ def _tensor_keys(td: Any) -> list[tuple[str, ...]] | None:
     leaves, _ = _tree.flatten(td)
     if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
         return None
-    return [tuple(key) for key in _tree.leaf_keys(td)]
+    return _tree.leaf_keys(td)
