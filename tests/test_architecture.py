@@ -18,6 +18,8 @@ from tensordict.nn import TensorDictModule
 
 import cudagraph_td
 
+from .conftest import Backend, regression_step
+
 PACKAGE = pathlib.Path(__file__).parent.parent / "src" / "cudagraph_td"
 # The package's top level: its public surface, its version, the one place for private
 # upstream APIs, and a subpackage per concern (see docs/architecture.md).
@@ -360,21 +362,16 @@ def _shaped_calls() -> None:
 
 
 def _training_steps() -> None:
-    net = _net()
-    opt = torch.optim.Adam(net.parameters(), lr=torch.tensor(1e-3), capturable=True)
+    update, _ = regression_step(Backend("emulate"), _net())
+    graphed = cudagraph_td.CudaGraphModule(update, warmup=2, backend="emulate")
 
-    def step(x: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad(set_to_none=False)
-        loss = net(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        return loss.detach()
+    def batch() -> TensorDict:
+        return TensorDict(obs=torch.randn(3, 4), target=torch.randn(3, 2), batch_size=[3])
 
-    graphed = cudagraph_td.CudaGraphModule(step, warmup=2, backend="emulate")
     for _ in range(4):
-        graphed(torch.randn(3, 4))
+        graphed(batch())
     graphed._table.clear()
-    graphed(torch.randn(3, 4))
+    graphed(batch())
 
 
 @pytest.mark.parametrize(

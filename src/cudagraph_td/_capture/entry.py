@@ -105,6 +105,10 @@ class GraphEntry:
         """Whether its graph is still its runner's (not captured again since)."""
         return self.runner is None or self.runner.captured is self.source
 
+    def holds(self) -> bool:
+        """Whether the state its graph reads holds (see `_state.state`): else a recapture."""
+        return self._state_holds is None or self._state_holds()
+
     def replay(self, args: Args, kwargs: Kwargs) -> Any:
         """Replay the graph for this call; ``MISS`` if the call is not one it reads."""
         if kwargs:

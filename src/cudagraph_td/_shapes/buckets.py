@@ -56,8 +56,7 @@ class BucketGraphs(Graphs):
             if flat is None:
                 flat = _tree.flatten((args, kwargs))
             view = self._rows(size, runner, batch, args, kwargs, flat)
-            state = None if view is None else view.graph.state
-            if view is not None and (state is None or state.fresh()):
+            if view is not None and view.holds():
                 return Answer(view.call(args, kwargs, flat), view, replayed=True)
         if runner is None:
             group = self._group(size)
@@ -71,7 +70,7 @@ class BucketGraphs(Graphs):
         self._refuse(size, runner)
         result = _padding.rows(self.name, answer.result, size, batch)
         # Once a bucket's graph is captured, calls like this one take its rows' entry.
-        view = self._rows(size, runner, batch, args, kwargs)
+        view = self._rows(size, runner, batch, args, kwargs, flat)
         if view is None:
             return Answer(result, answer.entry, answer.replayed, for_table=False)
         return Answer(result, view, answer.replayed)

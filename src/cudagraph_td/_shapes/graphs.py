@@ -176,15 +176,13 @@ class Graphs:
         reads holds; else warmed up, captured, or captured again (`GraphRunner.run`). A call
         padded to a bucket's graph (``rows`` of ``padded_rows``) is counted apart."""
         entry = self.entry(key, runner)
-        if entry is not None:
-            state = entry.graph.state
-            if state is None or state.fresh():
-                if rows == padded_rows:
-                    return Answer(entry.call(args, kwargs, flat), entry, replayed=True)
-                out = _captured.call(entry.graph, args, kwargs, flat)
-                where = (key, rows, padded_rows)
-                self._counts[where] = self._counts.get(where, 0) + 1
-                return Answer(out, entry, replayed=True, for_table=False)
+        if entry is not None and entry.holds():
+            if rows == padded_rows:
+                return Answer(entry.call(args, kwargs, flat), entry, replayed=True)
+            out = _captured.call(entry.graph, args, kwargs, flat)
+            where = (key, rows, padded_rows)
+            self._counts[where] = self._counts.get(where, 0) + 1
+            return Answer(out, entry, replayed=True, for_table=False)
         out = runner.run(args, kwargs)
         return Answer(out, self.entry(key, runner))
 
