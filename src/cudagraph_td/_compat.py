@@ -131,6 +131,58 @@ def graph_replay(graph: Any) -> Callable[[], None]:
     return graph.replay  # type: ignore[no-any-return]
 
 
+# --- torch: borrowed outputs (`_values.borrowed`) ------------------------------------------
+
+_storage_over: Callable[..., Any] | None = getattr(
+    torch._C, "_construct_storage_from_data_pointer", None
+)
+_tensor_over: Callable[..., Any] | None = getattr(
+    torch._C, "_construct_CUDA_Tensor_From_Storage_And_Metadata", None
+)
+_forbid_access: Callable[[int, str], None] | None = getattr(
+    torch._C, "_set_storage_data_ptr_access_error_msg", None
+)
+CAN_BORROW = None not in (_storage_over, _tensor_over, _forbid_access)
+"""Whether this torch can lend a CUDA graph's output memory with use-after-overwrite
+detection: a new storage over memory it does not own
+(``torch._C._construct_storage_from_data_pointer``), a CUDA tensor over it from its layout
+(``_construct_CUDA_Tensor_From_Storage_And_Metadata``), and an error raised by every later
+access to the data of that storage, whichever tensor or view reaches it
+(``_set_storage_data_ptr_access_error_msg``, storage-wide, unlike
+``_set_storage_access_error_msg``, which leaves a view taken before readable). What
+torch.compile's CUDA graph trees use. Checked with torch 2.11 (CUDA 13.0); a CPU build has
+the first only. If gone: outputs are returned in fresh memory, with a warning."""
+
+
+def storage_over(data_ptr: int, device: torch.device, nbytes: int) -> torch.UntypedStorage:
+    """A new storage over ``nbytes`` of memory at ``data_ptr`` that it does not own (freeing
+    it frees nothing): what a borrowed output's tensors view (see `CAN_BORROW`)."""
+    assert _storage_over is not None
+    storage: torch.UntypedStorage = _storage_over(data_ptr, device, nbytes)
+    return storage
+
+
+def cuda_tensor_over(layout: dict[str, Any], storage: torch.UntypedStorage) -> torch.Tensor:
+    """A CUDA tensor over ``storage`` laid out as ``layout`` (``size``, ``stride``, ``dtype``,
+    ``device``, ``storage_offset``), in one call (see `CAN_BORROW`)."""
+    assert _tensor_over is not None
+    tensor: torch.Tensor = _tensor_over(layout, storage)
+    return tensor
+
+
+def forbid_access(storage: torch.UntypedStorage, message: str) -> None:
+    """Make every later access to the data of ``storage`` raise ``RuntimeError(message)``,
+    through any tensor or view over it (see `CAN_BORROW`)."""
+    assert _forbid_access is not None
+    _forbid_access(storage._cdata, message)
+
+
+no_subclass_functions: Callable[[], Any] = torch._C.DisableTorchFunctionSubclass
+"""A context in which a tensor subclass's ``__torch_function__`` is not called
+(``torch._C.DisableTorchFunctionSubclass``): the emulation's lent outputs run torch's own
+functions within it (see `_emulation.lent`). Checked; if gone: none."""
+
+
 def clear_cublas_workspaces() -> None:
     """Free cuBLAS's per-stream workspaces, as torch's CUDA graph trees do around a recording.
 

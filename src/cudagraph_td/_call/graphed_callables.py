@@ -8,7 +8,7 @@ from typing import Any, Literal
 import torch
 
 from .._capture.autograd import Capture, DifferentiableCall
-from .._capture.backend import check_options, make_backend
+from .._capture.backend import can_borrow, check_options, make_backend
 from .._capture.entry import MISS, GraphEntry
 from .._compat import module_hooks
 from .._errors import graphed as _errors_graphed
@@ -29,6 +29,7 @@ def make_graphed_callables(
     sample_kwargs: Any = None,
     capture_error_mode: str = "global",
     backend: Literal["auto", "cuda", "emulate"] = "auto",
+    outputs: Literal["fresh", "borrowed"] = "fresh",
 ) -> Any:
     """Capture callables' forward and backward as CUDA graphs inside one autograd node each.
 
@@ -70,6 +71,14 @@ def make_graphed_callables(
         backend: ``"cuda"``; ``"emulate"`` for the CPU emulation of the graph contract
             (experimental, for tests); ``"auto"`` for ``"cuda"`` when CUDA is available, else
             the callables are returned unchanged, with a warning.
+        outputs: ``"fresh"`` (the default): outputs and gradients in fresh memory.
+            ``"borrowed"``: the forward's outputs and the backward's gradients are the graphs'
+            own memory, as torch's function returns them (no copy), valid until the next
+            replay of the same graph; any use after it, of them or of a view of them, raises
+            a ``RuntimeError`` that says so (torch's reads the overwritten values). With
+            ``zero_grad(set_to_none=True)`` before each backward, a parameter's ``.grad`` is
+            the lent gradient itself; accumulating gradients over two backward passes then
+            raises: use ``"fresh"`` for that. See the docs' Borrowed outputs page.
 
     Returns:
         The graphed callable (the same module, with its ``forward`` replaced, for a module),
@@ -108,7 +117,8 @@ def make_graphed_callables(
     elif sample_kwargs is None:
         sample_kwargs = tuple({} for _ in callables)
     _check_samples(callables, sample_args, sample_kwargs)
-    check_options(backend, capture_error_mode)
+    check_options(backend, capture_error_mode, outputs)
+    borrow = outputs == "borrowed" and can_borrow(_errors.GRAPHED_CALLABLES, backend)
     for fn in callables:
         if isinstance(fn, torch.nn.Module):
             _check_module(fn)
@@ -135,7 +145,9 @@ def make_graphed_callables(
     for k in range(shapes):
         shape_pool = torch.cuda.graph_pool_handle() if backend == "cuda" and pool is None else pool
         example = [each[k] for each in samples if k < len(each)]
-        backends.append(make_backend(backend, None, shape_pool, capture_error_mode, example))
+        backends.append(
+            make_backend(backend, None, shape_pool, capture_error_mode, example, borrow=borrow)
+        )
     device = backends[0].device
     if torch.is_autocast_enabled(device.type) and torch.is_autocast_cache_enabled():
         raise _errors_graphed.autocast_cache()

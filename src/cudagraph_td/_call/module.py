@@ -14,9 +14,10 @@ from .._capture import devices as _devices
 from .._capture import distributed as _distributed
 from .._capture import graph as _graph
 from .._capture import sharing as _sharing
-from .._capture.backend import SharedPool, backend_factory, check_options
+from .._capture.backend import SharedPool, backend_factory, can_borrow, check_options
 from .._capture.entry import MISS
 from .._compat import raw_stream
+from .._errors import borrowed as _errors_borrowed
 from .._errors import inputs as _errors
 from .._errors import log as _log
 from .._errors import shapes as _errors_shapes
@@ -190,13 +191,14 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         verify: int = 0,
         shapes: Static | Exact | Buckets | Literal["static", "exact", "buckets"] = "static",
         static: tuple[int | str, ...] | int | str = (),
+        outputs: Literal["fresh", "borrowed"] = "fresh",
         **deprecated: Unpack[DeprecatedOptions],
     ):
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise _errors.invalid_option("warmup", warmup, "an integer greater than 0")
         if isinstance(verify, bool) or not isinstance(verify, int) or verify < 0:
             raise _errors.invalid_option("verify", verify, "an integer of 0 or more")
-        check_options(backend, capture_error_mode)
+        check_options(backend, capture_error_mode, outputs)
         name = self._name = type(self).__name__
         self._shapes = _shape_options.resolve(name, shapes, deprecated)
         if backend == "cuda" and not torch.cuda.is_available():
@@ -216,6 +218,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             "verify": verify,
             "shapes": self._shapes,
             "static": static,
+            "outputs": outputs,
         }
         self.module = module
         self._warmup = warmup
@@ -255,8 +258,9 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         self._static = _static.StaticArgs(name, module, static) if static != () else None
         make_backend = None
         if self._backend_name != "eager":
+            borrow = outputs == "borrowed" and can_borrow(name, self._backend_name)
             make_backend = backend_factory(
-                self._backend_name, self.device, self._pool, mode, self._agreement
+                self._backend_name, self.device, self._pool, mode, self._agreement, borrow
             )
         # What makes the runner of each new graph (nothing in it refers to the wrapper).
         self._new_runner = functools.partial(
@@ -438,6 +442,51 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             for reason, calls in overflow.calls.items():
                 counts[reason] = counts.get(reason, 0) + calls
         return counts
+
+    def input_buffers(self, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The static input buffers of the graph that answers calls like
+        ``(*args, **kwargs)`` (without arguments: the wrapper's only graph), to fill in place.
+
+        Returned as ``(args, kwargs)`` in the call's own structure, with the buffers as its
+        tensors: a TensorDict call gets ``((td,), {})``, a TensorDict whose entries are the
+        buffers; keyword tensors of a TensorDict module, ``((), {name: buffer})``. Write the
+        next call's data into them (``buffer.copy_(x, non_blocking=True)``, from pinned host
+        memory say), then call the wrapper with them: an input that is its graph's buffer is
+        not copied again. Every call is still checked. The buffers stay the graph's until it
+        is captured again (a replaced parameter) or the wrapper is reset: a call with old
+        buffers then copies them in, as any input. With ``outputs="borrowed"``, a call
+        moves no memory at all but the launch. See the docs' Borrowed outputs page.
+
+        Raises:
+            RuntimeError: No graph answers such calls yet (call the wrapper ``warmup`` times,
+                or ``precapture``, first).
+            ValueError: Called without arguments on a wrapper with several graphs.
+
+        Examples:
+            >>> import torch
+            >>> from cudagraph_td import CudaGraphModule
+            >>> graphed = CudaGraphModule(torch.nn.Linear(3, 2), backend="emulate")
+            >>> with torch.no_grad():
+            ...     for _ in range(2):
+            ...         _ = graphed(torch.randn(4, 3))
+            ...     (x,), _ = graphed.input_buffers()
+            ...     _ = x.copy_(torch.ones(4, 3))
+            ...     y = graphed(x)
+            >>> y.shape
+            torch.Size([4, 2])
+        """
+        with self._lock:
+            entries = [
+                entry
+                for graphs in self._graphs.values()
+                for entry in graphs.entries.values()
+                if entry.alive() and (not (args or kwargs) or entry.reads(args, kwargs))
+            ]
+            if not entries:
+                raise _errors_borrowed.no_input_buffers(self._name, bool(args or kwargs))
+            if len(entries) > 1 and not (args or kwargs):
+                raise _errors_borrowed.several_input_buffers(self._name, len(entries))
+            return entries[0].input_buffers(keywords=bool(kwargs) and not args)
 
     def pool(self) -> Any:
         """The memory pool of the wrapper's graphs, to share with other wrappers (``pool=``)."""

@@ -67,8 +67,10 @@ class _GraphedFunction(torch.autograd.Function):
         ctx: Any, call: DifferentiableCall, ungraded: tuple[str, ...], *inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         n = call.n_inputs
-        if n:
-            foreach_copy_(call.static_inputs, inputs[:n])
+        static = call.static_inputs
+        # Inputs in place (the caller filled the static inputs, see `input_buffers`): no copy.
+        if n and not (call.inputs_lent and all(map(operator.is_, inputs[:n], static))):
+            foreach_copy_(static, inputs[:n])
         if call.order is not None:  # after the device's last replay: they share a workspace
             call.order.keep()
         call.replay_forward()
@@ -78,8 +80,10 @@ class _GraphedFunction(torch.autograd.Function):
         # `Capture.capture_backward`): one output without a generator, for speed. Not views
         # of one buffer: autograd refuses in-place writes into outputs that are views.
         one = call.one_output
-        if one is not None:
-            outputs: tuple[torch.Tensor, ...] = (one.clone(),)
+        if call.lent_outputs is not None:  # outputs="borrowed"
+            outputs: tuple[torch.Tensor, ...] = tuple(call.lent_outputs.make())
+        elif one is not None:
+            outputs = (one.clone(),)
         else:
             outputs = tuple([t.clone() for t in call.outputs.static])
         # Inputs that require grad where the samples did not (see `DifferentiableCall.ungraded`)
@@ -157,7 +161,12 @@ class DifferentiableCall(Captured):
         computed_slots = [slot for slot, g in enumerate(grad_inputs) if g is not None]
         computed = [g for g in grad_inputs if g is not None]
         device = computed[0].device if computed else torch.device("cpu")
-        self.fresh_grads = FreshCopies(computed, device)
+        # The gradients lent too, under the backward graph's own lease (outputs="borrowed").
+        lend_grads = capture.backend.lend(f"{capture.name}'s backward")
+        self.fresh_grads = (
+            FreshCopies(computed, device) if lend_grads is None else lend_grads(computed)
+        )
+        self.lent_outputs = capture.outputs.copies if capture.outputs.lent is not None else None
         # The backward's result, from the fresh gradients with `None` appended: for each input
         # of the node (the call, `ungraded`, the tensors, the parameters), the index of its
         # fresh gradient, or of that `None`. One `itemgetter` call builds it.
@@ -360,6 +369,9 @@ class Capture:
         if self.params is None:  # no warm-up: the recorded outputs tell
             self._keep_example(static_out, self.signature.static_inputs)
         self.outputs = Outputs(self.name, static_out, self.backend.device, allow_grad=True)
+        lent = self.backend.lend(self.name)
+        if lent is not None:  # outputs="borrowed"
+            self.outputs.lend(lent)
         self.fwd_graph, self.saved = graph, saved
 
     def capture_backward(self, state: State | None = None) -> DifferentiableCall:

@@ -22,8 +22,12 @@ from .. import _compat
 from .._compat import any_autocast_enabled, distributions_validate_args, end_allocate_to_pool
 from .._emulation import host_calls as _host_calls
 from .._emulation import recording as _recording
+from .._emulation.lent import EmulatedLentOutputs, emulated_lease
+from .._errors import borrowed as _errors_borrowed
 from .._errors import inputs as _errors
 from .._values import tree as _tree
+from .._values.borrowed import Lease, LentOutputs
+from .._values.outputs import Copies
 from . import sharing as _sharing
 from .devices import call_device
 
@@ -36,11 +40,18 @@ CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
 BACKENDS = ("auto", "cuda", "emulate")
 
+OUTPUTS = ("fresh", "borrowed")
 
-def check_options(backend: str, capture_error_mode: str) -> None:
+# What lends the static outputs of one graph at each call, under one lease (see `Backend.lend`).
+Lend = Callable[[list[torch.Tensor]], Copies]
+
+
+def check_options(backend: str, capture_error_mode: str, outputs: str = "fresh") -> None:
     """Raise a ``ValueError`` that lists the valid values of an option the user got wrong."""
     if backend not in BACKENDS:
         raise _errors.invalid_option("backend", backend, BACKENDS)
+    if outputs not in OUTPUTS:
+        raise _errors.invalid_option("outputs", outputs, OUTPUTS)
     if capture_error_mode not in CAPTURE_ERROR_MODES:
         raise _errors.invalid_option("capture_error_mode", capture_error_mode, CAPTURE_ERROR_MODES)
 
@@ -52,14 +63,29 @@ def make_backend(
     capture_error_mode: str,
     inputs: Any,
     agreement: Agreement | None = None,
+    borrow: bool = False,
 ) -> Backend:
     """The backend called ``name``; a CUDA one on ``device``, else on the inputs' device
     (see `_capture.devices.call_device`). ``agreement``: the ranks' `Agreement` of a DDP
-    step, else None."""
+    step, else None. ``borrow``: outputs lent, not copied (``outputs="borrowed"``)."""
+    backend: Backend
     if name == "emulate":
-        return EmulatedBackend(device, rerun=agreement is not None)  # see `EmulatedBackend`
-    device = call_device((inputs,), {}, device)
-    return CudaBackend(device, pool, capture_error_mode, agreement)
+        backend = EmulatedBackend(device, rerun=agreement is not None)  # see `EmulatedBackend`
+    else:
+        device = call_device((inputs,), {}, device)
+        backend = CudaBackend(device, pool, capture_error_mode, agreement)
+    backend.borrow = borrow
+    return backend
+
+
+def can_borrow(name: str, backend: str) -> bool:
+    """Whether outputs can be lent on ``backend`` (the emulation always can; CUDA where torch
+    can detect their use after overwrite, see `_compat.CAN_BORROW`): else a warning, and
+    outputs in fresh memory."""
+    if backend == "emulate" or _compat.CAN_BORROW:
+        return True
+    warnings.warn(_errors_borrowed.cannot_borrow(name), UserWarning, stacklevel=3)
+    return False
 
 
 def backend_factory(
@@ -68,11 +94,13 @@ def backend_factory(
     pool: Any,
     capture_error_mode: str,
     agreement: Agreement | None,
+    borrow: bool = False,
 ) -> Callable[[tuple[Any, ...], dict[str, Any]], Backend]:
     """What makes a wrapper's backend from the inputs of its first call (see `make_backend`)."""
 
     def make(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Backend:
-        return make_backend(name, device, pool, capture_error_mode, (args, kwargs), agreement)
+        inputs = (args, kwargs)
+        return make_backend(name, device, pool, capture_error_mode, inputs, agreement, borrow)
 
     return make
 
@@ -87,6 +115,12 @@ class Backend(Protocol):
     device: torch.device
     # Whether a replay runs the function's Python code again (the emulation) or not (CUDA).
     reruns_python: bool
+    # Whether its graphs lend their outputs (``outputs="borrowed"``) instead of copying them.
+    borrow: bool
+
+    def lend(self, label: str) -> Lend | None:
+        """What lends the outputs of a graph it captures, under one lease for that graph
+        (see `_values.borrowed`); None: outputs copied into fresh memory."""
 
     def warmup(self, fn: Callable[[], T]) -> T: ...
 
@@ -137,6 +171,7 @@ class CudaBackend:
     """
 
     reruns_python = False
+    borrow = False
 
     def __init__(
         self,
@@ -165,7 +200,15 @@ class CudaBackend:
         gave one. What the forward saves for the backward stays in the pool between the two
         replays, while the owner's other graphs may replay and reuse the pool's free memory."""
         pool = None if isinstance(self.pool, SharedPool) else self.pool
-        return CudaBackend(self.device, pool, self.capture_error_mode)
+        backend = CudaBackend(self.device, pool, self.capture_error_mode)
+        backend.borrow = self.borrow
+        return backend
+
+    def lend(self, label: str) -> Lend | None:
+        if not self.borrow:
+            return None
+        lease = Lease(label)
+        return lambda static: LentOutputs(static, lease)
 
     def warmup(self, fn: Callable[[], T]) -> T:
         # The warm-up uses the shared workspace eagerly: after every replay on the device,
@@ -311,6 +354,7 @@ class EmulatedBackend:
 
     def __init__(self, device: torch.device | None = None, *, rerun: bool = False):
         self.device = torch.device("cpu") if device is None else device
+        self.borrow = False
         # A step whose collectives torch runs outside the dispatcher (DDP's gradient
         # all-reduce) cannot be recorded: its replays run the function again instead.
         self.reruns_python = rerun
@@ -322,6 +366,12 @@ class EmulatedBackend:
 
     def for_autograd(self) -> EmulatedBackend:
         return self
+
+    def lend(self, label: str) -> Lend | None:
+        if not self.borrow:
+            return None
+        lease = emulated_lease(label)
+        return lambda static: EmulatedLentOutputs(static, lease)
 
     def capture(self, fn: Callable[[], T], like: T) -> tuple[Graph, T]:
         if self.reruns_python:

@@ -28,10 +28,11 @@ Kwargs = dict[str, Any]
 
 class OneTensorGraph(NamedTuple):
     """A plain graph with one tensor in and one out and nothing else to do, which a graph's
-    entry launches itself, without a call: its static input list, static output, replay."""
+    entry launches itself, without a call: its static input list, its replay, and what
+    returns its output (a copy, or a lent tensor)."""
 
     static_inputs: list[torch.Tensor]
-    static_output: torch.Tensor
+    output: Callable[[], torch.Tensor]
     replay: Callable[[], None]
 
 
@@ -46,6 +47,9 @@ class Captured:
     (`_capture.autograd.DifferentiableCall`)."""
 
     training_step = False
+    # Whether the caller was given the static inputs to fill (see `input_buffers`): a
+    # launch then copies no input that is its static input.
+    inputs_lent = False
     one_tensor: OneTensorGraph | None = None  # set by a plain one-tensor graph (see `GraphCall`)
     # Where the graph's launch gives more outputs than the computed ones (an autograd node
     # gives all of them): the indices of those that are not inputs or views of inputs.

@@ -28,7 +28,15 @@ import torch
 from tensordict import TensorDict
 
 from .._compat import foreach_copy_, td_entries, td_set
-from .._values.routes import TENSORDICT_OUT, Args, IntoTensorDict, Kwargs, Route, TensorDictEntries
+from .._values.routes import (
+    TENSORDICT_OUT,
+    Args,
+    IntoTensorDict,
+    Keywords,
+    Kwargs,
+    Route,
+    TensorDictEntries,
+)
 from .._values.signature import metadata
 from .._values.tree import Flat
 from . import captured as _captured
@@ -79,6 +87,7 @@ class GraphEntry:
         by_position: tuple[Read, Write | None] = (_miss, None)
         by_keywords = by_position
         by_out = None
+        self._names: list[str] | None = None
         one = graph.one_tensor
         # A TensorDict module's commonest graph, one in_key and one out_key, read and written
         # by the replay itself (two calls fewer: 1.6 us of 41 a call, measured on an H100).
@@ -111,6 +120,8 @@ class GraphEntry:
                 by_position = route
             if reader.keywords is not False:
                 by_keywords = route
+                if isinstance(reader, Keywords):  # its names, for `input_buffers`
+                    self._names = reader.names
         self._by_position, self._by_keywords = by_position, by_keywords
         self._by_out = by_keywords if by_out is None else by_out
         expected = self._expected = graph.signature.expected
@@ -120,7 +131,7 @@ class GraphEntry:
         self._state_holds = graph.state.fresh if graph.state is not None else None
         # A plain graph with one tensor in and one out: its launch done here, without a call.
         self._static_inputs: list[torch.Tensor] | None = one.static_inputs if one else None
-        self._static_output: torch.Tensor | None = one.static_output if one else None
+        self._one_output: Callable[[], torch.Tensor] | None = one.output if one else None
         self._one_tensor_replay: Callable[[], None] | None = one.replay if one else None
 
     def alive(self) -> bool:
@@ -160,9 +171,11 @@ class GraphEntry:
             return MISS
         one_tensor_replay = self._one_tensor_replay
         if one_tensor_replay is not None:
-            foreach_copy_(self._static_inputs, tensors)  # type: ignore[arg-type]  # faster than copy_
+            static_inputs = self._static_inputs
+            if tensors[0] is not static_inputs[0]:  # type: ignore[index]  # (see `input_buffers`)
+                foreach_copy_(static_inputs, tensors)  # type: ignore[arg-type]  # faster than copy_
             one_tensor_replay()
-            fresh: Sequence[torch.Tensor] = (self._static_output.clone(),)  # type: ignore[union-attr]
+            fresh: Sequence[torch.Tensor] = (self._one_output(),)  # type: ignore[misc]
         else:
             fresh = self.graph.launch(tensors)
         self.replays += 1
@@ -174,6 +187,29 @@ class GraphEntry:
                 td[self._td_out] = fresh[0]
             return td
         return fresh[0] if write is None else write(args, kwargs, fresh)
+
+    def reads(self, args: Args, kwargs: Kwargs) -> bool:
+        """Whether a replay would read this call (its kind, structure and tensors' metadata)."""
+        if kwargs:
+            read = (self._by_out if TENSORDICT_OUT in kwargs else self._by_keywords)[0]
+        else:
+            read = self._by_position[0]
+        tensors = read(args, kwargs)
+        try:
+            return tensors is not None and list(map(metadata, tensors)) == self._expected
+        except Exception:  # a leaf that is not a tensor
+            return False
+
+    def input_buffers(self, keywords: bool) -> tuple[Args, Kwargs]:
+        """The graph's static inputs, as ``(args, kwargs)`` of a call that replays it with no
+        input copied: keyword tensors by name for ``keywords`` where a route reads them so,
+        else the captured call's structure. From now on, a launch copies no input that is
+        its static input."""
+        self.graph.inputs_lent = True
+        signature = self.graph.signature
+        if keywords and self._names is not None:
+            return (), dict(zip(self._names, signature.static_inputs, strict=True))
+        return signature.static_tree()
 
     def call(self, args: Args, kwargs: Kwargs, flat: Flat | None = None) -> Any:
         """The slow path's replay: the full check, which raises the error naming the leaf,

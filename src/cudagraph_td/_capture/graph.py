@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -26,7 +27,7 @@ from .._state.state import Flags, State
 from .._values import tree as _tree
 from .._values.aliasing import versions, written
 from .._values.input_views import InputViews, ReturnedTensorDicts, tensordicts_before
-from .._values.outputs import FreshCopies, Outputs
+from .._values.outputs import Outputs
 from .._values.signature import Signature, validate
 from . import captured as _captured
 from .autograd import Capture, DifferentiableCall
@@ -56,11 +57,14 @@ class GraphCall(Captured):
         self._fresh = outputs.copies.make
         if views is not None:  # only the outputs that are not inputs or views of them copied
             computed = [outputs.static[j] for j in views.computed]
-            self._fresh = FreshCopies(computed, outputs.device).make
+            self._fresh = outputs.copier(computed).make
         # One tensor in and one out, nothing else to do: the replay path launches it itself.
         one = len(self._static_inputs) == 1 and len(outputs.static) == 1
         if one and not mutated and watch is None and views is None:
-            self.one_tensor = OneTensorGraph(self._static_inputs, outputs.static[0], self._replay)
+            # Its output: a copy (a C call, no Python frame), or lent (outputs="borrowed").
+            copies = outputs.copies
+            output = outputs.static[0].clone if outputs.lent is None else copies.one  # type: ignore[attr-defined]
+            self.one_tensor = OneTensorGraph(self._static_inputs, output, self._replay)
 
     def rows(self, signature: Signature, outputs: Outputs) -> GraphCall:
         """This graph replayed on fewer rows: ``signature``'s static inputs and ``outputs``'
@@ -70,6 +74,8 @@ class GraphCall(Captured):
         is refused at its capture (see `_shapes.buckets`).
         """
         mutated = self._writes.indices
+        if self.outputs.lent is not None:  # lent under this graph's lease
+            outputs.lend(self.outputs.lent)
         return GraphCall(signature, self.graph, outputs, mutated, self._watch, self.state)
 
     def launch(
@@ -81,8 +87,10 @@ class GraphCall(Captured):
             return self._launch_writing(tensors)
         if self._watch is not None:  # a training step: its gradients and hyperparameters
             self._watch()
-        if tensors:
-            foreach_copy_(self._static_inputs, tensors)  # type: ignore[arg-type]
+        static = self._static_inputs
+        # Inputs in place (the caller filled the static inputs, see `input_buffers`): no copy.
+        if tensors and not (self.inputs_lent and all(map(operator.is_, tensors, static))):
+            foreach_copy_(static, tensors)  # type: ignore[arg-type]
         self._replay()
         return self._fresh()
 
@@ -160,6 +168,9 @@ def capture(
     if not backend.reruns_python:
         mutated = written(signature.static_inputs, static_versions)
     outputs = Outputs(name, static_out, backend.device)
+    lent = backend.lend(name)
+    if lent is not None:  # outputs="borrowed"
+        outputs.lend(lent)
     watch = observed.watch(name)
     if watch is not None and backend.reruns_python:
         graph = _training.PinnedGrads(graph, watch)
@@ -288,6 +299,9 @@ class GraphRunner:
         self.counter += 1
         if isinstance(captured, DifferentiableCall):
             captured.label = self.label  # for its hint (see `_errors.log.no_backward`)
+        lease = getattr(captured.outputs.copies, "lease", None)
+        if lease is not None:  # outputs="borrowed": errors name the graph as log records do
+            lease.label = self.label
         if logged:
             grown = torch.cuda.memory_reserved(device) - reserved if on_cuda else None
             static = [*captured.signature.static_inputs, *captured.outputs.static]

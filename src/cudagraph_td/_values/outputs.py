@@ -10,8 +10,8 @@ directly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import optree
 import torch
@@ -26,6 +26,15 @@ from . import tree as _tree
 # each per output. Larger results are cloned output by output, so that one output kept
 # alive does not hold the memory of all the others.
 _PACK_LIMIT_BYTES = 1 << 24
+
+
+class Copies(Protocol):
+    """What gives a graph's static output tensors back at each call: copies in fresh memory
+    (``FreshCopies``), or tensors lent over them (`_values.borrowed.LentOutputs`)."""
+
+    static: list[torch.Tensor]
+
+    def make(self) -> list[torch.Tensor]: ...
 
 
 class FreshCopies:
@@ -97,12 +106,25 @@ class Outputs:
         self.template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         self.single_tensor = self.spec.is_leaf() and bool(static)
         self.all_tensors = len(static) == len(leaves)
-        self.copies = FreshCopies(static, device)
+        self.copies: Copies = FreshCopies(static, device)
+        # With outputs="borrowed": what lends tensors over the graph's static outputs (see
+        # `_values.borrowed`), one lease per graph; None: copies in fresh memory.
+        self.lent: Callable[[list[torch.Tensor]], Copies] | None = None
         # A result of TensorDicts and tensors: built without optree (see `TensorDictResult`).
         self.tensordicts = TensorDictResult.of(out) if self.all_tensors else None
         # Other results are rebuilt by optree, which lists a TensorDict's keys sorted: the
         # order the function set them in, where it is another, is given back after.
         self.key_orders = _tree.key_orders(out) if self.tensordicts is None else None
+
+    def lend(self, lent: Callable[[list[torch.Tensor]], Copies]) -> None:
+        """Return the outputs lent by ``lent`` (``outputs="borrowed"``), not copied."""
+        self.lent = lent
+        self.copies = lent(self.static)
+
+    def copier(self, static: list[torch.Tensor]) -> Copies:
+        """What returns ``static`` (some of the static outputs) at each call: copies in fresh
+        memory, or lent ones."""
+        return FreshCopies(static, self.device) if self.lent is None else self.lent(static)
 
     @property
     def static(self) -> list[torch.Tensor]:
