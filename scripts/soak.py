@@ -4,7 +4,8 @@
     compute-sanitizer --tool memcheck python scripts/soak.py --steps 60   # a short run
 
 A seeded random sequence of actions, each checked against eager PyTorch: wrappers of this
-library (plain, TensorDict, keyword, grad mode, whole training step, buckets, exact shapes),
+library (plain, TensorDict, keyword, grad mode, whole training step, buckets, exact shapes,
+borrowed outputs with inputs in place at times),
 captures that fail, ``torch.compile(mode="reduce-overhead")`` (its own failures too),
 ``torch.cuda.graph``, torch's and this library's ``make_graphed_callables``, tensordict's
 ``CudaGraphModule``; actors deleted and collected at random, ``torch.cuda.empty_cache()``.
@@ -313,7 +314,79 @@ class TensorDictsClass(Actor):
         close(got, want, self.kind)
 
 
+# Borrowed outputs whose wrapper was deleted, reset or captured again: each use must raise.
+ORPHANS: list[torch.Tensor] = []
+
+
+def raises_on_use(t: torch.Tensor, what: str) -> None:
+    """A borrowed output past its graph's next replay (or its graph gone): a use raises."""
+    try:
+        t.sum()
+    except RuntimeError as err:
+        if 'outputs="borrowed"' not in str(err):
+            raise
+        return
+    raise AssertionError(f"{what}: a borrowed output was read after its graph overwrote it")
+
+
+class Borrowing(Actor):
+    """``outputs="borrowed"`` (exact shapes, inputs in place at times): each output as
+    eager's, the previous one of the same graph unreadable; reset, parameters replaced (a
+    new capture) and the wrapper deleted, with their last outputs kept and checked."""
+
+    kind = "borrowed"
+
+    def __init__(self, rng: random.Random):
+        self.net = mlp(rng)
+        self.graphed = cudagraph_td.CudaGraphModule(
+            self.net, warmup=rng.choice([1, 2]), shapes="exact", outputs="borrowed"
+        )
+        self.last: torch.Tensor | None = None  # the last output, if it was lent
+        self.in_place = rng.random() < 0.5
+
+    def replays(self) -> int:
+        return sum(info.replays for info in self.graphed.graphs())
+
+    def step(self, rng: random.Random) -> None:
+        x = torch.randn(rng.choice([8, 32]), 17, device=DEV)
+        roll = rng.random()
+        same_graphs = True
+        if roll < 0.05:  # reset: every graph gone, its last output with it
+            self.graphed.reset()
+            if self.last is not None:
+                ORPHANS.append(self.last)
+            self.last = None
+        elif roll < 0.1:  # a replaced parameter: a new capture; the old graph's output stays
+            self.net[0].weight = nn.Parameter(self.net[0].weight.detach().clone())
+            same_graphs = False
+        before = self.replays()
+        with torch.no_grad():
+            got = None
+            if self.in_place and rng.random() < 0.5:
+                try:
+                    (buffer,), _ = self.graphed.input_buffers(x)
+                except (RuntimeError, ValueError):  # no graph of this shape yet
+                    pass
+                else:
+                    buffer.copy_(x)
+                    got = self.graphed(buffer)
+            if got is None:
+                got = self.graphed(x)
+            close(got, self.net(x), self.kind)
+        lent = self.replays() > before
+        previous, self.last = self.last, got if lent else None
+        if lent and same_graphs and previous is not None and previous.shape == got.shape:
+            raises_on_use(previous, self.kind)  # its graph replayed since
+        while ORPHANS:
+            raises_on_use(ORPHANS.pop(), self.kind)
+
+    def __del__(self) -> None:
+        if self.last is not None:
+            ORPHANS.append(self.last)
+
+
 MAKERS: dict[str, Callable[[random.Random], Actor]] = {
+    "borrowed": Borrowing,
     "plain": Plain,
     "tensordict": lambda rng: Policy(rng, keyword=False),
     "keyword": lambda rng: Policy(rng, keyword=True),

@@ -461,3 +461,52 @@ def test_end_allocate_to_pool_ends_what_a_failed_capture_left() -> None:
     # In a process of its own, as the failed capture may leave state behind.
     done = run_python("-c", _END_ALLOCATE)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_a_cuda_build_can_lend_output_memory() -> None:
+    # Looked up with a default (a CPU build has only the first): gone from a CUDA build,
+    # outputs="borrowed" would fall back to fresh outputs, with a warning.
+    assert callable(_compat.storage_over)
+    if torch.cuda.is_available():
+        assert _compat.CAN_BORROW
+
+
+@requires_cuda
+def test_a_lent_storage_made_unreadable_stops_every_view_of_it() -> None:
+    static = torch.arange(12.0, device="cuda").reshape(4, 3)
+    storage = static.untyped_storage()
+    lent_storage = _compat.storage_over(storage.data_ptr(), static.device, storage.nbytes())
+    layout = {
+        "size": static.shape,
+        "stride": static.stride(),
+        "dtype": static.dtype,
+        "device": static.device,
+        "storage_offset": 0,
+    }
+    lent = _compat.cuda_tensor_over(layout, lent_storage)
+    assert lent.data_ptr() == static.data_ptr()
+    torch.testing.assert_close(lent, static)
+    view = lent[1:, :2]
+    _compat.forbid_access(lent_storage, "lent memory overwritten")
+    for use in (lambda: view.sum(), lambda: lent + 1, lambda: lent.cpu(), lambda: view.clone()):
+        with pytest.raises(RuntimeError, match="lent memory overwritten"):
+            use()
+    # The memory itself, and the tensors that own it, stay readable.
+    torch.testing.assert_close(static.sum().cpu(), torch.tensor(66.0))
+
+
+def test_no_subclass_functions_runs_torch_functions_of_a_subclass_as_torch_s() -> None:
+    seen = []
+
+    class Sub(torch.Tensor):
+        @classmethod
+        def __torch_function__(
+            cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            seen.append(func)
+            with _compat.no_subclass_functions():
+                return func(*args, **(kwargs or {}))
+
+    t = torch.ones(2).as_subclass(Sub)
+    out = t + 1
+    assert type(out) is torch.Tensor and len(seen) == 1

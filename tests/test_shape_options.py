@@ -135,7 +135,15 @@ def test_the_constructor_takes_tensordicts_positional_arguments_and_few_keywords
     positional = [p.name for p in ours if p.kind is p.POSITIONAL_OR_KEYWORD]
     assert positional == [p.name for p in theirs if p.kind is p.POSITIONAL_OR_KEYWORD]
     keywords = [p.name for p in ours if p.kind is p.KEYWORD_ONLY]
-    assert keywords == ["pool", "capture_error_mode", "backend", "verify", "shapes", "static"]
+    assert keywords == [
+        "pool",
+        "capture_error_mode",
+        "backend",
+        "verify",
+        "shapes",
+        "static",
+        "outputs",
+    ]
 
 
 @pytest.mark.parametrize(

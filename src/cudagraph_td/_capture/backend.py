@@ -21,8 +21,8 @@ import torch
 from .. import _compat
 from .._compat import any_autocast_enabled, distributions_validate_args, end_allocate_to_pool
 from .._emulation import host_calls as _host_calls
+from .._emulation import lent as _lent
 from .._emulation import recording as _recording
-from .._emulation.lent import EmulatedLentOutputs, emulated_lease
 from .._errors import borrowed as _errors_borrowed
 from .._errors import inputs as _errors
 from .._values import tree as _tree
@@ -370,8 +370,8 @@ class EmulatedBackend:
     def lend(self, label: str) -> Lend | None:
         if not self.borrow:
             return None
-        lease = emulated_lease(label)
-        return lambda static: EmulatedLentOutputs(static, lease)
+        lease = Lease(label, _lent.forbid)
+        return lambda static: _lent.EmulatedLentOutputs(static, lease)
 
     def capture(self, fn: Callable[[], T], like: T) -> tuple[Graph, T]:
         if self.reruns_python:

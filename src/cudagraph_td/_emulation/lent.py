@@ -18,7 +18,6 @@ import optree
 import torch
 
 from .._compat import no_subclass_functions
-from .._values.borrowed import Lease
 
 
 class Token:
@@ -28,12 +27,8 @@ class Token:
 
 
 def forbid(token: Token, message: str) -> None:
+    """What makes a loan unreadable: the lease's ``forbid`` (see `_values.borrowed.Lease`)."""
     token.error = message
-
-
-def emulated_lease(label: str) -> Lease:
-    """The lease of an emulated graph's outputs."""
-    return Lease(label, forbid)
 
 
 _METADATA: set[Callable[..., Any]] = {
@@ -94,9 +89,9 @@ def lend(t: torch.Tensor, token: Token) -> LentTensor:
 
 class EmulatedLentOutputs:
     """The outputs of an emulated graph, lent at each replay (`_values.borrowed.LentOutputs`'
-    counterpart)."""
+    counterpart), under a `_values.borrowed.Lease` whose ``forbid`` is this module's."""
 
-    def __init__(self, static: list[torch.Tensor], lease: Lease):
+    def __init__(self, static: list[torch.Tensor], lease: Any):  # a `_values.borrowed.Lease`
         self.static = static
         self.lease = lease
 

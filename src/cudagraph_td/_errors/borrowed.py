@@ -14,7 +14,7 @@ _FIX = (
 
 def overwritten(label: str, replay: int) -> str:
     return (
-        f'{label}: this output was borrowed from its CUDA graph (`outputs="borrowed"`), and '
+        f'{label}: this output was borrowed from its graph (`outputs="borrowed"`), and '
         f"the graph's replay {replay} has overwritten it: a borrowed output, and every view "
         f"of it, is valid until the next replay of its graph. {_FIX}."
     )
@@ -22,7 +22,7 @@ def overwritten(label: str, replay: int) -> str:
 
 def released(label: str) -> str:
     return (
-        f'{label}: this output was borrowed from its CUDA graph (`outputs="borrowed"`), and '
+        f'{label}: this output was borrowed from its graph (`outputs="borrowed"`), and '
         "that graph is gone (the wrapper was reset or deleted, or the graph captured again), "
         f"so its memory is no longer the output's. {_FIX}."
     )

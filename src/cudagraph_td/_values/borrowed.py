@@ -18,6 +18,7 @@ the same ``Lease`` (`_emulation.lent`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,8 +60,10 @@ class Lease:
                 self._forbid(held, message)
 
     def __del__(self) -> None:
-        # Collected with its graph (whose memory it keeps until now, see `LentOutputs`).
-        self.end()
+        # Collected with its graph (whose memory it keeps until now, see `LentOutputs`). At
+        # the interpreter's exit the modules it needs may be gone already: nothing to protect.
+        with contextlib.suppress(Exception):
+            self.end()
 
 
 # A tensor's place in the memory it is lent from: its storage's index, its layout.

@@ -1,0 +1,350 @@
+"""Borrowed outputs (``outputs="borrowed"``) and inputs in place (``input_buffers``).
+
+Every test body runs on the CPU emulation and, with a GPU, on CUDA: a borrowed output has
+eager's value until its graph's next replay, and every use of it (or of a view of it) after
+that raises an error that names the wrapper and the fix, on both backends.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import io
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+
+from cudagraph_td import CudaGraphModule, _compat
+from cudagraph_td._call import module as _module
+from cudagraph_td._capture import backend as _backend
+from cudagraph_td._capture import entry as _entry
+from cudagraph_td._capture import graph as _graph
+
+from .conftest import Backend, regression_step
+
+OVERWRITTEN = "has overwritten it: a borrowed output, and every view of it, is valid until"
+GONE = "that graph is gone"
+FIX = "`.clone()` the outputs you keep across calls"
+
+
+def _policy(backend: Backend) -> tuple[torch.nn.Module, CudaGraphModule]:
+    net = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    net = net.to(backend.device)
+    return net, backend.wrap(net, outputs="borrowed")
+
+
+def _warm(graphed: Callable[..., Any], make: Callable[[], Any], calls: int = 3) -> None:
+    for _ in range(calls):
+        graphed(make())
+
+
+# --- values -------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_a_borrowed_output_has_eagers_value_until_the_next_replay(backend: Backend) -> None:
+    net, graphed = _policy(backend)
+    _warm(graphed, lambda: backend.randn(4, 5))
+    for _ in range(3):
+        x = backend.randn(4, 5)
+        y = graphed(x)
+        torch.testing.assert_close(y, net(x))
+        kept = y.clone()  # what a caller keeps across calls
+        graphed(backend.randn(4, 5))
+        torch.testing.assert_close(kept, net(x))
+
+
+@torch.no_grad()
+def test_borrowed_outputs_of_several_tensors_and_a_tree(backend: Backend) -> None:
+    lin = torch.nn.Linear(5, 3).to(backend.device)
+
+    def fn(x: torch.Tensor) -> dict[str, Any]:
+        y = lin(x)
+        return {"y": y, "parts": (y[:, :1] * 2, y.sum()), "n": 3}
+
+    graphed = backend.wrap(fn, outputs="borrowed")
+    _warm(graphed, lambda: backend.randn(4, 5))
+    x = backend.randn(4, 5)
+    out = graphed(x)
+    expected = fn(x)
+    torch.testing.assert_close(out["y"], expected["y"])
+    torch.testing.assert_close(out["parts"][0], expected["parts"][0])
+    torch.testing.assert_close(out["parts"][1], expected["parts"][1])
+    assert out["n"] == 3
+    graphed(backend.randn(4, 5))
+    for t in (out["y"], out["parts"][0], out["parts"][1]):
+        with pytest.raises(RuntimeError, match=OVERWRITTEN):
+            t.sum()
+
+
+@torch.no_grad()
+def test_a_tensordict_module_writes_borrowed_entries_into_the_callers_tensordict(
+    backend: Backend,
+) -> None:
+    net = torch.nn.Linear(5, 3).to(backend.device)
+    policy = backend.wrap(TensorDictModule(net, ["obs"], ["action"]), outputs="borrowed")
+
+    def td() -> TensorDict:
+        return TensorDict(obs=backend.randn(4, 5), batch_size=[4], device=backend.device)
+
+    _warm(policy, td)
+    data = td()
+    out = policy(data)
+    assert out is data
+    torch.testing.assert_close(out["action"], net(data["obs"]))
+    action = policy(obs=backend.randn(4, 5))  # keywords: the out_key's value
+    assert action.shape == (4, 3)
+    policy(td())
+    with pytest.raises(RuntimeError, match=OVERWRITTEN):
+        data["action"] + 1
+    with pytest.raises(RuntimeError, match=OVERWRITTEN):
+        action + 1
+
+
+def test_a_training_step_returns_borrowed_losses(backend: Backend) -> None:
+    net = torch.nn.Linear(5, 1).to(backend.device)
+    twin = copy.deepcopy(net)
+    step, _ = regression_step(backend, net)
+    twin_step, _ = regression_step(backend, twin)
+    graphed = backend.wrap(step, outputs="borrowed")
+    losses = []
+    for _ in range(5):
+        data = TensorDict(obs=backend.randn(8, 5), target=backend.randn(8, 1), batch_size=[8])
+        loss = graphed(data)["loss"]
+        torch.testing.assert_close(loss, twin_step(data.clone())["loss"])
+        losses.append(loss)
+    with pytest.raises(RuntimeError, match=OVERWRITTEN):
+        losses[-2].item()
+
+
+@torch.no_grad()
+def test_exact_and_buckets_lend_per_graph(backend: Backend) -> None:
+    lin = torch.nn.Linear(5, 3).to(backend.device)
+    for shapes in ("exact", "buckets"):
+        graphed = backend.wrap(lin, outputs="borrowed", shapes=shapes)
+        for rows in (4, 8, 3) * 3:
+            graphed(backend.randn(rows, 5))
+        x8, x4 = backend.randn(8, 5), backend.randn(3, 5)
+        y8 = graphed(x8)
+        y4 = graphed(x4)  # another graph (exact), or another rows' view of one (buckets)
+        torch.testing.assert_close(y4, lin(x4))
+        if shapes == "exact":  # each graph's outputs last until its own next replay
+            torch.testing.assert_close(y8, lin(x8))
+        graphed(backend.randn(3, 5))
+        with pytest.raises(RuntimeError, match=OVERWRITTEN):
+            y4.sum()
+
+
+def test_grad_mode_outputs_are_borrowed_through_autograd(backend: Backend) -> None:
+    net, graphed = _policy(backend)
+    twin = copy.deepcopy(net)
+    _warm(lambda x: graphed(x).sum().backward(), lambda: backend.randn(4, 5))
+    net.zero_grad(set_to_none=True)
+    x = backend.randn(4, 5)
+    y = graphed(x)
+    torch.testing.assert_close(y, twin(x))
+    y.pow(2).sum().backward()
+    twin(x).pow(2).sum().backward()
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    graphed(backend.randn(4, 5))
+    with pytest.raises(RuntimeError, match=OVERWRITTEN):
+        y.detach().sum()
+
+
+def test_make_graphed_callables_lends_outputs_and_gradients(backend: Backend) -> None:
+    net = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    net = net.to(backend.device)
+    twin = copy.deepcopy(net)
+    graphed = backend.graph_callables(net, (backend.randn(16, 5),), outputs="borrowed")
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    for _ in range(4):  # torch's documented loop
+        x = backend.randn(16, 5)
+        opt.zero_grad(set_to_none=True)
+        twin_opt.zero_grad(set_to_none=True)
+        y, expected = graphed(x), twin(x)
+        torch.testing.assert_close(y.detach(), expected.detach(), rtol=1e-4, atol=1e-5)
+        y.pow(2).mean().backward()
+        expected.pow(2).mean().backward()
+        opt.step()
+        twin_opt.step()
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    graphed(backend.randn(16, 5))
+    with pytest.raises(RuntimeError, match=OVERWRITTEN):
+        y.detach().sum()
+
+
+# --- every use after overwrite raises -----------------------------------------------------
+
+
+def _uses(backend: Backend) -> dict[str, Callable[[torch.Tensor], Any]]:
+    other = backend.wrap(lambda t: t * 2)
+    with torch.no_grad():
+        _warm(other, lambda: backend.randn(4, 3))
+    weight = backend.randn(4, 3, requires_grad=True)
+    return {
+        "read": lambda y: y + 1,
+        "a view's read": lambda y: y[0].sum(),
+        "a view taken before": None,  # see the test
+        "an in-place op": lambda y: y.mul_(2),
+        ".cpu()": lambda y: y.cpu(),
+        "print": lambda y: print(y),
+        "torch.save": lambda y: torch.save(y, io.BytesIO()),
+        "another wrapper's input": lambda y: other(y),
+        "autograd": lambda y: (y * weight).sum().backward(),
+    }
+
+
+@pytest.mark.parametrize(
+    "use",
+    [
+        "read",
+        "a view's read",
+        "a view taken before",
+        "an in-place op",
+        ".cpu()",
+        "print",
+        "torch.save",
+        "another wrapper's input",
+        "autograd",
+    ],
+)
+def test_every_use_after_overwrite_raises(backend: Backend, use: str) -> None:
+    _, graphed = _policy(backend)
+    with torch.no_grad():
+        _warm(graphed, lambda: backend.randn(4, 5))
+        y = graphed(backend.randn(4, 5))
+        view = y[1:, :2]
+        uses = _uses(backend)
+        graphed(backend.randn(4, 5))
+    act = uses[use]
+    message = re.escape("CudaGraphModule(Sequential)") + ".*" + OVERWRITTEN + ".*" + re.escape(FIX)
+    with pytest.raises(RuntimeError, match=message):
+        if act is None:
+            view.sum()
+        else:
+            act(y)
+        backend.sync()
+
+
+@pytest.mark.parametrize("end", ["reset", "deleted", "captured again"])
+def test_an_output_of_a_graph_that_is_gone_raises(backend: Backend, end: str) -> None:
+    net, graphed = _policy(backend)
+    with torch.no_grad():
+        _warm(graphed, lambda: backend.randn(4, 5))
+        y = graphed(backend.randn(4, 5))
+        view = y[0]
+        if end == "reset":
+            graphed.reset()
+        elif end == "deleted":
+            del graphed
+        else:  # a replaced parameter: a new capture (warned), the old graph dropped
+            net[0].weight = torch.nn.Parameter(net[0].weight.detach().clone())
+            with pytest.warns(UserWarning):
+                _warm(graphed, lambda: backend.randn(4, 5), calls=4)
+            graphed.reset()  # the table's last reference to the old graph goes too
+        gc.collect()
+    for t in (y, view):
+        with pytest.raises(RuntimeError, match=GONE):
+            t.sum()
+
+
+@torch.no_grad()
+def test_fresh_outputs_are_unchanged_by_the_option(backend: Backend) -> None:
+    net = torch.nn.Linear(5, 3).to(backend.device)
+    graphed = backend.wrap(net)
+    _warm(graphed, lambda: backend.randn(4, 5))
+    x = backend.randn(4, 5)
+    y = graphed(x)
+    graphed(backend.randn(4, 5))
+    torch.testing.assert_close(y, net(x))  # a copy: the next replay leaves it
+
+
+def test_outputs_takes_fresh_or_borrowed() -> None:
+    with pytest.raises(ValueError, match=re.escape("`outputs` must be one of 'fresh', 'borrowed'")):
+        CudaGraphModule(torch.nn.Linear(2, 2), backend="emulate", outputs="lent")  # type: ignore[arg-type]
+
+
+def test_a_torch_that_cannot_lend_warns_and_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_compat, "CAN_BORROW", False)
+    with pytest.warns(UserWarning, match="returns outputs in fresh memory"):
+        assert not _backend.can_borrow("CudaGraphModule", "cuda")
+    assert _backend.can_borrow("CudaGraphModule", "emulate")
+
+
+# --- inputs in place ----------------------------------------------------------------------
+
+
+def _count_copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the multi-tensor copies of inputs into static buffers, from now on."""
+    count = [0]
+    copy_ = _compat.foreach_copy_
+
+    def counted(dst: Any, src: Any) -> None:
+        count[0] += 1
+        copy_(dst, src)
+
+    for module in (_entry, _graph):
+        monkeypatch.setattr(module, "foreach_copy_", counted)
+    return count
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("outputs", ["fresh", "borrowed"])
+def test_an_input_in_its_buffer_is_not_copied(
+    backend: Backend, outputs: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    net = torch.nn.Linear(5, 3).to(backend.device)
+    policy = backend.wrap(TensorDictModule(net, ["obs"], ["action"]), outputs=outputs)
+
+    def td() -> TensorDict:
+        return TensorDict(obs=backend.randn(4, 5), batch_size=[4], device=backend.device)
+
+    with pytest.raises(RuntimeError, match="no graph of the CudaGraphModule answers it yet"):
+        policy.input_buffers()
+    _warm(policy, td)
+    (buffers,), kwargs = policy.input_buffers()
+    assert kwargs == {} and isinstance(buffers, TensorDict)
+    copies = _count_copies(monkeypatch)
+    for _ in range(3):
+        x = backend.randn(4, 5)
+        buffers["obs"].copy_(x)
+        out = policy(buffers)
+        assert out is buffers
+        torch.testing.assert_close(out["action"], net(x))
+    assert copies == [0]
+    policy(td())  # any other TensorDict is copied in, as before
+    assert copies == [1]
+    # Keyword calls get their buffers by name; the checks still run.
+    args, named = policy.input_buffers(obs=backend.randn(4, 5))
+    assert args == () and list(named) == ["obs"]
+    with pytest.raises(ValueError, match="dtype"):
+        policy(obs=named["obs"].double())
+
+
+@torch.no_grad()
+def test_input_buffers_of_a_function_in_the_calls_structure(backend: Backend) -> None:
+    def fn(x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+        return x * scale
+
+    graphed = backend.wrap(fn, shapes="exact")
+    for rows in (4, 4, 4, 2, 2, 2):
+        graphed(backend.randn(rows, 3), scale=backend.randn(1))
+    with pytest.raises(ValueError, match="has 2 graphs"):
+        graphed.input_buffers()
+    (x,), kwargs = graphed.input_buffers(backend.randn(2, 3), scale=backend.randn(1))
+    assert x.shape == (2, 3) and list(kwargs) == ["scale"]
+    x.fill_(2.0)
+    kwargs["scale"].fill_(3.0)
+    torch.testing.assert_close(graphed(x, **kwargs), torch.full((2, 3), 6.0, device=backend.device))
+
+
+def test_input_buffers_is_public() -> None:
+    assert "input_buffers" in dir(_module.CudaGraphModule)
