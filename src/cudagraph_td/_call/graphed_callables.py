@@ -118,7 +118,6 @@ def make_graphed_callables(
         sample_kwargs = tuple({} for _ in callables)
     _check_samples(callables, sample_args, sample_kwargs)
     check_options(backend, capture_error_mode, outputs)
-    borrow = outputs == "borrowed" and can_borrow(_errors.GRAPHED_CALLABLES, backend)
     for fn in callables:
         if isinstance(fn, torch.nn.Module):
             _check_module(fn)
@@ -132,6 +131,7 @@ def make_graphed_callables(
             )
             return callables[0] if single else callables
         backend = "cuda"
+    borrow = outputs == "borrowed" and can_borrow(_errors.GRAPHED_CALLABLES, backend)
     # Each callable's samples: one (args, kwargs) per shape, a graph pair for each.
     samples = [
         _shapes_of(args, kwargs) for args, kwargs in zip(sample_args, sample_kwargs, strict=True)

@@ -139,6 +139,15 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             (``static=("update_actor",)``). Each value's graph warms up and is captured on
             first sight; past ``max_graphs`` values (per mode, a field of ``shapes``), its
             ``overflow``. Other non-tensor arguments must keep their captured value.
+        outputs: ``"fresh"`` (the default): every output tensor in fresh memory, a copy of
+            the graph's. ``"borrowed"``: the output tensors are the graph's own output memory,
+            lent to the caller until the next replay of the same graph, with no copy; any use
+            of them after it, or of a view of them, raises a ``RuntimeError`` that names the
+            wrapper and says to ``.clone()`` what is kept across calls (the entries a
+            TensorDict module writes into the caller's TensorDict are lent the same way;
+            outputs that are the caller's inputs stay the caller's). With
+            ``input_buffers()``, a call moves no memory but the graph's launch. See the docs'
+            Borrowed outputs page.
         **deprecated: ``buckets=``, ``max_graphs=``, ``batch_dims=``, ``overflow=`` and
             ``row_independent=``, the shape options before ``shapes=`` took one value:
             still accepted, folded into ``shapes`` with a ``FutureWarning`` that gives the
