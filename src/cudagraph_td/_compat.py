@@ -133,47 +133,44 @@ def graph_replay(graph: Any) -> Callable[[], None]:
 
 # --- torch: borrowed outputs (`_values.borrowed`) ------------------------------------------
 
-_storage_over: Callable[..., Any] | None = getattr(
-    torch._C, "_construct_storage_from_data_pointer", None
+
+def _missing(*args: Any) -> Any:
+    """What stands for a function this torch lacks (see `CAN_BORROW`): never called."""
+    raise NotImplementedError
+
+
+storage_over: Callable[[int, torch.device, int], torch.UntypedStorage] = getattr(
+    torch._C, "_construct_storage_from_data_pointer", _missing
 )
-_tensor_over: Callable[..., Any] | None = getattr(
-    torch._C, "_construct_CUDA_Tensor_From_Storage_And_Metadata", None
+"""A new storage over ``nbytes`` of memory at ``data_ptr`` that it does not own (freeing it
+frees nothing), ``storage_over(data_ptr, device, nbytes)``: what a borrowed output's tensors
+view (``torch._C._construct_storage_from_data_pointer``, see `CAN_BORROW`). Called as it is,
+on the borrowed replay path."""
+
+cuda_tensor_over: Callable[[dict[str, Any], torch.UntypedStorage], torch.Tensor] = getattr(
+    torch._C, "_construct_CUDA_Tensor_From_Storage_And_Metadata", _missing
 )
-_forbid_access: Callable[[int, str], None] | None = getattr(
-    torch._C, "_set_storage_data_ptr_access_error_msg", None
+"""A CUDA tensor over a storage, laid out as a dict of ``size``, ``stride``, ``dtype``,
+``device`` and ``storage_offset``, in one call
+(``torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata``, see `CAN_BORROW`)."""
+
+_forbid_access: Callable[[int, str], None] = getattr(
+    torch._C, "_set_storage_data_ptr_access_error_msg", _missing
 )
-CAN_BORROW = None not in (_storage_over, _tensor_over, _forbid_access)
+CAN_BORROW = _missing not in (storage_over, cuda_tensor_over, _forbid_access)
 """Whether this torch can lend a CUDA graph's output memory with use-after-overwrite
-detection: a new storage over memory it does not own
-(``torch._C._construct_storage_from_data_pointer``), a CUDA tensor over it from its layout
-(``_construct_CUDA_Tensor_From_Storage_And_Metadata``), and an error raised by every later
-access to the data of that storage, whichever tensor or view reaches it
-(``_set_storage_data_ptr_access_error_msg``, storage-wide, unlike
+detection: a new storage over memory it does not own (`storage_over`), a CUDA tensor over
+it (`cuda_tensor_over`), and an error raised by every later access to the data of that
+storage, whichever tensor or view reaches it (`forbid_access`:
+``torch._C._set_storage_data_ptr_access_error_msg``, storage-wide, unlike
 ``_set_storage_access_error_msg``, which leaves a view taken before readable). What
 torch.compile's CUDA graph trees use. Checked with torch 2.11 (CUDA 13.0); a CPU build has
 the first only. If gone: outputs are returned in fresh memory, with a warning."""
 
 
-def storage_over(data_ptr: int, device: torch.device, nbytes: int) -> torch.UntypedStorage:
-    """A new storage over ``nbytes`` of memory at ``data_ptr`` that it does not own (freeing
-    it frees nothing): what a borrowed output's tensors view (see `CAN_BORROW`)."""
-    assert _storage_over is not None
-    storage: torch.UntypedStorage = _storage_over(data_ptr, device, nbytes)
-    return storage
-
-
-def cuda_tensor_over(layout: dict[str, Any], storage: torch.UntypedStorage) -> torch.Tensor:
-    """A CUDA tensor over ``storage`` laid out as ``layout`` (``size``, ``stride``, ``dtype``,
-    ``device``, ``storage_offset``), in one call (see `CAN_BORROW`)."""
-    assert _tensor_over is not None
-    tensor: torch.Tensor = _tensor_over(layout, storage)
-    return tensor
-
-
 def forbid_access(storage: torch.UntypedStorage, message: str) -> None:
     """Make every later access to the data of ``storage`` raise ``RuntimeError(message)``,
     through any tensor or view over it (see `CAN_BORROW`)."""
-    assert _forbid_access is not None
     _forbid_access(storage._cdata, message)
 
 

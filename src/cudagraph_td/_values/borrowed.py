@@ -108,13 +108,14 @@ class LentOutputs:
                 "storage_offset": t.storage_offset(),
             }
             self._places.append((storages[address], layout))
-        # One output (the commonest): lent without lists.
-        one = len(self._storages) == 1 and len(self._places) == 1
-        self._one = (self._storages[0], self._places[0][1]) if one else None
+        # One output (the commonest): lent without lists (see `one`).
+        self._one = len(self._storages) == 1 and len(self._places) == 1
+        self._where = self._storages[0] if self._storages else None
+        self._layout = self._places[0][1] if self._places else None
 
     def make(self) -> list[torch.Tensor]:
         """The outputs of this replay, lent; those of the previous replay made unreadable."""
-        if self._one is not None:
+        if self._one:
             return [self.one()]
         storages = [storage_over(*where) for where in self._storages]
         self.lease.renew(storages)
@@ -122,8 +123,6 @@ class LentOutputs:
 
     def one(self) -> torch.Tensor:
         """``make`` for one output: the tensor itself."""
-        assert self._one is not None
-        where, layout = self._one
-        storage = storage_over(*where)
+        storage = storage_over(*self._where)  # type: ignore[misc]
         self.lease.renew((storage,))
-        return cuda_tensor_over(layout, storage)
+        return cuda_tensor_over(self._layout, storage)  # type: ignore[arg-type]
