@@ -367,7 +367,7 @@ def policy_td(device: torch.device) -> Workload:
         return lambda: f(mine)
 
     def in_place(f: Any) -> Call:
-        (buffers,), _ = f.input_buffers()
+        (buffers,), _ = f.input_buffers(td)
         # The caller's data, written once: producing it is not the call's work.
         buffers["observation"].copy_(td["observation"])
         return lambda: f(buffers)
@@ -415,7 +415,9 @@ def policy_kwargs(device: torch.device) -> Workload:
         return lambda: f(observation=obs)
 
     def in_place(f: Any) -> Call:
-        _, buffers = f.input_buffers()
+        # Asked with a call's form: without it, a TensorDict module's only graph gives its
+        # buffers as a TensorDict, whatever form its calls took.
+        _, buffers = f.input_buffers(observation=obs)
         # The caller's data, written once: producing it is not the call's work.
         buffers["observation"].copy_(obs)
         return lambda: f(**buffers)
