@@ -205,7 +205,7 @@ def _lending(out: torch.Tensor) -> Callable[[], torch.Tensor]:
         "device": out.device,
         "storage_offset": out.storage_offset(),
     }
-    lent: list[torch.UntypedStorage] = []
+    lent: list[Any] = []  # the storage lent last
 
     def lend() -> torch.Tensor:
         new = torch._C._construct_storage_from_data_pointer(*where)
