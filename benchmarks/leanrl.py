@@ -2,7 +2,7 @@
 the graphed ones.
 
     python benchmarks/leanrl.py [--scripts sac,td3,ppo] [--steps N] [--skip K]
-                                [--ppo-iterations I] [--rounds R]
+                                [--ppo-iterations I] [--rounds R] [--borrowed]
 
 The loops are the corpus's (``tests/corpus/test_leanrl.py``): each script's networks,
 optimizers, update, policy and GAE functions, and its ``CudaGraphModule`` arguments as
@@ -17,12 +17,17 @@ update, ``update(minibatch, tensordict_out=TensorDict())``.
 
 Each variant runs the whole loop, built anew (construction, warm-up and capture
 included): ``eager``, tensordict's ``CudaGraphModule`` (for which the scripts were
-written) and ``cudagraph_td``'s, in a rotating order per round, in one process. The rate
+written) and ``cudagraph_td``'s, in a rotating order per round, in one process; with
+``--borrowed``, also ``cudagraph_td, borrowed``: the same loops through
+``cudagraph_td.CudaGraphModule(..., outputs="borrowed")``, that option their only change
+(a loop that uses an output after its graph's next replay fails with the library's error,
+reported as the variant's). The rate
 is taken inside the loop, past every warm-up and capture: the time between two calls of
 one function (SAC and TD3: ``update_main``, from its call ``--skip``, a step apart; PPO:
 ``gae``, from its fourth call, an iteration apart), so that building, capturing and the
 random steps before learning starts count for none. The median over rounds is reported,
-with each variant's ratio to eager and cudagraph_td's to tensordict's.
+with each variant's ratio to eager, cudagraph_td's to tensordict's, and the borrowed
+variant's to both cudagraph_td's default (fresh outputs) and tensordict's.
 
 With ``--emulate`` (and on a machine without CUDA), cudagraph_td runs on the CPU
 emulation against eager, a few steps: its times say nothing of a GPU's (the test suite
@@ -103,11 +108,16 @@ SCRIPTS: dict[str, Script] = {
 }
 
 
-def variants(backend: str) -> dict[str, Callable[[], leanrl.Wrap]]:
+OURS, BORROWED, TD = "cudagraph_td", "cudagraph_td, borrowed", "tensordict"
+
+
+def variants(backend: str, borrowed: bool = False) -> dict[str, Callable[[], leanrl.Wrap]]:
     found: dict[str, Callable[[], leanrl.Wrap]] = {"eager": leanrl.Wrap}
     if backend == "cuda":
-        found["tensordict"] = lambda: leanrl.Wrap(tensordict.nn.CudaGraphModule)
-    found["cudagraph_td"] = lambda: leanrl.Wrap(CudaGraphModule, backend=backend)
+        found[TD] = lambda: leanrl.Wrap(tensordict.nn.CudaGraphModule)
+    found[OURS] = lambda: leanrl.Wrap(CudaGraphModule, backend=backend)
+    if borrowed:
+        found[BORROWED] = lambda: leanrl.Wrap(CudaGraphModule, backend=backend, outputs="borrowed")
     return found
 
 
@@ -154,7 +164,7 @@ def steady_rate(
 def report(name: str, backend: str, device: torch.device, args: argparse.Namespace) -> None:
     """Time ``name``'s loop with each variant and print the steady rates."""
     script = SCRIPTS[name]
-    made = variants(backend)
+    made = variants(backend, args.borrowed)
     names = list(made)
     rates: dict[str, list[float]] = {v: [] for v in names}
     failed: dict[str, str] = {}
@@ -171,16 +181,18 @@ def report(name: str, backend: str, device: torch.device, args: argparse.Namespa
                     leanrl._end_failed_captures(wrap.made, device)
     steady = {v: statistics.median(rates[v]) for v in names if v not in failed}
     print(f"\n{name}: environment steps per second (median of {args.rounds} rounds)")
+    width = max(13, *map(len, names))
     for variant, why in failed.items():
-        print(f"  {variant:13} n/a: {why}")
+        print(f"  {variant:{width}} n/a: {why}")
     for variant in steady:
         each = ", ".join(f"{x:.0f}" for x in rates[variant])
         print(
-            f"  {variant:13} {steady[variant]:8.1f}  {steady[variant] / steady['eager']:5.2f}x "
-            f"eager  (rounds: {each})"
+            f"  {variant:{width}} {steady[variant]:8.1f}  "
+            f"{steady[variant] / steady['eager']:5.2f}x eager  (rounds: {each})"
         )
-    if "tensordict" in steady:
-        print(f"  cudagraph_td / tensordict: {steady['cudagraph_td'] / steady['tensordict']:.3f}")
+    for a, b in ((OURS, TD), (BORROWED, OURS), (BORROWED, TD)):
+        if a in steady and b in steady:
+            print(f"  {a} / {b}: {steady[a] / steady[b]:.3f}")
 
 
 def main() -> None:
@@ -191,6 +203,11 @@ def main() -> None:
     parser.add_argument("--ppo-iterations", type=int, default=7, help="PPO's iterations")
     parser.add_argument("--rounds", type=int, default=3, help="rounds (median reported)")
     parser.add_argument("--emulate", action="store_true", help="the CPU emulation's graphs")
+    parser.add_argument(
+        "--borrowed",
+        action="store_true",
+        help='also time cudagraph_td with outputs="borrowed" (variant "cudagraph_td, borrowed")',
+    )
     args = parser.parse_args()
     if args.skip + 12 >= args.steps:
         parser.error("--steps must leave steps to time after --skip and the 10 random ones")

@@ -121,28 +121,38 @@ def capture_table(captures: list[dict[str, Any]]) -> str:
 WALL_TARGETS = ("e. forward+backward", "e2. torch's documented loop")
 # torch's make_graphed_callables with its output cloned: the floor of a fresh result.
 CLONED_FLOOR = "floor, output cloned"
+# Borrowed outputs and inputs in place (issue 43): this library lending its graphs' output
+# memory, called with inputs copied in or with its own input buffers; the hand-written
+# graph's replay() alone, the launch floor (workload c).
+BORROWED = f"{OURS}, borrowed"
+IN_PLACE = f"{OURS}, borrowed, in place"
+BARE = "bare replay"
 
 
-def paired_wall_ratio(results: list[dict[str, Any]], workload: str) -> float | None:
-    """Our wall time over the floor's for ``workload``: the median over rounds of each
-    round's ratio (the two timed in the same rotation, seconds apart, so that the host's
-    drift between rounds cancels out), or the ratio of the medians without rounds."""
+def paired_wall_ratio(
+    results: list[dict[str, Any]], workload: str, variant: str = OURS
+) -> float | None:
+    """``variant``'s wall time over the floor's for ``workload``: the median over rounds of
+    each round's ratio (the two timed in the same rotation, seconds apart, so that the
+    host's drift between rounds cancels out), or the ratio of the medians without rounds."""
     for result in results:
         if result["workload"] != workload:
             continue
         rounds = result.get("all_us", {})
-        if OURS in rounds and FLOOR in rounds:
-            pairs = zip(rounds[OURS], rounds[FLOOR], strict=True)
+        if variant in rounds and FLOOR in rounds:
+            pairs = zip(rounds[variant], rounds[FLOOR], strict=True)
             return statistics.median(ours / floor for ours, floor in pairs)
         medians = result["median_us"]
-        if OURS in medians and FLOOR in medians:
-            return float(medians[OURS] / medians[FLOOR])
+        if variant in medians and FLOOR in medians:
+            return float(medians[variant] / medians[FLOOR])
     return None
 
 
 def targets(results: list[dict[str, Any]]) -> list[tuple[str, bool | None, str]]:
     """The targets: (target, met (None: not measured), the numbers). CPU time per call, but
-    for ``WALL_TARGETS``."""
+    for ``WALL_TARGETS`` (e2's borrowed variant included). Issue 43's, on c: in place and
+    borrowed within 2x the bare replay, and borrowed (inputs copied) 0.8 of the floor or less,
+    the floor's clone of the output saved."""
     by_name = {r["workload"]: r.get("median_cpu_us", r["median_us"]) for r in results}
     wall_by_name = {r["workload"]: r["median_us"] for r in results}
     checks: list[tuple[str, bool | None, str]] = []
@@ -209,6 +219,34 @@ def targets(results: list[dict[str, Any]]) -> list[tuple[str, bool | None, str]]
                 f"{r:.3f} (CPU: {cpu:.3f})" if r and cpu else "",
             )
         )
+    # Issue 43: in place and borrowed, a call is the launch and little more; borrowed
+    # alone, it saves the output's clone that the floor makes (the inputs still copied).
+    for workload in ("c. policy, TensorDict", "c. policy, keywords"):
+        r = ratio(workload, IN_PLACE, BARE)
+        checks.append(
+            (
+                f"{workload}: {IN_PLACE} / {BARE} <= 2.0 (CPU)",
+                None if r is None else r <= 2.0,
+                f"{r:.3f}" if r else "",
+            )
+        )
+        r = ratio(workload, BORROWED, FLOOR)
+        checks.append(
+            (
+                f"{workload}: {BORROWED} / floor <= 0.8 (CPU)",
+                None if r is None else r <= 0.8,
+                f"{r:.3f}" if r else "",
+            )
+        )
+    e2 = "e2. torch's documented loop"
+    r, cpu = paired_wall_ratio(results, e2, BORROWED), ratio(e2, BORROWED, FLOOR)
+    checks.append(
+        (
+            f"{e2}: {BORROWED} (make_graphed_callables) / floor (torch's) <= 1.03 (wall)",
+            None if r is None else r <= 1.03,
+            f"{r:.3f} (CPU: {cpu:.3f})" if r and cpu else "",
+        )
+    )
     for result in results:
         if OURS not in result.get("steady", {}):
             continue

@@ -15,6 +15,19 @@ a tool cannot run is left out with the reason (``Unsupported``).
 - ``cudagraph_td (before)``: an earlier version of this library, timed in the same run
   (``run.py --baseline``), to check that a change costs nothing per call.
 
+Borrowed outputs and inputs in place (issue 43), on the policy of workload c and the loop of
+e2:
+
+- ``bare replay`` (c): the hand-written graph's ``replay()`` alone, no copy and no clone:
+  the launch floor, which no call of a graph goes below.
+- ``floor, borrowed`` (c): the floor with its output lent instead of cloned: a new tensor
+  over the graph's own output memory, the one that the call before lent made unreadable.
+- ``cudagraph_td, borrowed``: this library with ``outputs="borrowed"`` (c: the inputs
+  copied in as usual; e2: ``make_graphed_callables(..., outputs="borrowed")``).
+- ``cudagraph_td, borrowed, in place`` (c): the same, called with the wrapper's
+  ``input_buffers()``, which hold the input already (filled once before timing: writing the
+  data is the caller's work, an environment's say), so that a call copies nothing in.
+
 Workloads g and h call one wrapper in two modes or with two shapes, taking turns: each
 tool's variant of that name takes turns, and its *steady* variants (``<tool>, <mode> only``)
 are the same construction called in one mode or with one shape only. The report sets the
@@ -159,6 +172,90 @@ def _marking_steps(compiled: Callable[..., Any]) -> Callable[..., Any]:
     return step
 
 
+# Borrowed outputs (issue 43) ---------------------------------------------------------
+
+# torch's functions that lend a graph's output memory: a storage over memory that it does
+# not own, a CUDA tensor over it, and an error raised by every later access to its data
+# (through any view). torch 2.11's CUDA builds have them; CPU builds lack the last two.
+_LENDING = (
+    "_construct_storage_from_data_pointer",
+    "_construct_CUDA_Tensor_From_Storage_And_Metadata",
+    "_set_storage_data_ptr_access_error_msg",
+)
+_OVERWRITTEN = "floor, borrowed: this output was overwritten by the graph's next replay"
+
+
+def _check_lending() -> None:
+    """Raise ``Unsupported`` unless this torch can lend a graph's output memory."""
+    missing = [name for name in _LENDING if not hasattr(torch._C, name)]
+    if missing:
+        raise Unsupported(f"this torch cannot lend a graph's memory: no torch._C.{missing[0]}")
+
+
+def _lending(out: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """By hand: a function that lends ``out`` (a graph's static output) at each call, a new
+    tensor over its memory, and makes the tensor it lent before unreadable."""
+    _check_lending()
+    storage = out.untyped_storage()
+    where = (storage.data_ptr(), storage.device, storage.nbytes())
+    layout = {
+        "size": out.shape,
+        "stride": out.stride(),
+        "dtype": out.dtype,
+        "device": out.device,
+        "storage_offset": out.storage_offset(),
+    }
+    lent: list[Any] = []  # the storage lent last
+
+    def lend() -> torch.Tensor:
+        new = torch._C._construct_storage_from_data_pointer(*where)
+        if lent:
+            torch._C._set_storage_data_ptr_access_error_msg(lent.pop()._cdata, _OVERWRITTEN)
+        lent.append(new)
+        return torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(layout, new)
+
+    return lend
+
+
+def _bare_replay(run: Callable[[list[torch.Tensor]], Any], inputs: list[torch.Tensor]) -> Call:
+    """A hand-written graph of ``run``, whose call is its ``replay()`` alone."""
+    graph, static, out = _hand_graph(run, inputs)
+
+    def call() -> None:
+        graph.replay()
+
+    # The graph reads and writes its buffers at their captured addresses: kept with it.
+    call.buffers = (static, out)  # type: ignore[attr-defined]
+    return call
+
+
+def _borrowing(
+    fn: Callable[..., Any],
+    call: Callable[[Callable[..., Any]], Call],
+    in_place: Callable[[Any], Call],
+) -> dict[str, Callable[[], Call]]:
+    """The ``cudagraph_td`` variants of ``fn`` with ``outputs="borrowed"``: called by
+    ``call`` (the inputs copied in), and by ``in_place(wrapper)``, a call with the wrapper's
+    input buffers, filled once, made after the wrapper's capture."""
+
+    def borrowed() -> Call:
+        _check_lending()  # else the library returns fresh outputs, with a warning
+        return call(cudagraph_td.CudaGraphModule(fn, warmup=2, outputs="borrowed"))
+
+    def borrowed_in_place() -> Call:
+        _check_lending()
+        wrapper = cudagraph_td.CudaGraphModule(fn, warmup=2, outputs="borrowed")
+        first = call(wrapper)
+        for _ in range(3):  # warmup=2: two warm-ups and the capture, whose buffers these are
+            first()
+        return in_place(wrapper)
+
+    return {
+        "cudagraph_td, borrowed": borrowed,
+        "cudagraph_td, borrowed, in place": borrowed_in_place,
+    }
+
+
 # (a) ---------------------------------------------------------------------------------
 
 
@@ -245,15 +342,48 @@ def policy_td(device: torch.device) -> Workload:
 
         return call
 
+    def own() -> TensorDict:
+        # A borrowing variant's TensorDict: the action it leaves there is made unreadable by
+        # its next replay, which no other variant may read (the observation is shared).
+        return TensorDict(observation=td["observation"], batch_size=td.batch_size)
+
+    def floor_borrowed() -> Call:
+        graph, static, out = _hand_graph(lambda s: policy.module(s[0]), [td["observation"]])
+        lend, mine = _lending(out), own()
+
+        def call() -> TensorDict:
+            torch._foreach_copy_(static, [mine["observation"]])
+            graph.replay()
+            mine["action"] = lend()
+            return mine
+
+        return call
+
     def call(f: Callable[..., Any]) -> Call:
         return lambda: f(td)
+
+    def call_own(f: Callable[..., Any]) -> Call:
+        mine = own()
+        return lambda: f(mine)
+
+    def in_place(f: Any) -> Call:
+        (buffers,), _ = f.input_buffers(td)
+        # The caller's data, written once: producing it is not the call's work.
+        buffers["observation"].copy_(td["observation"])
+        return lambda: f(buffers)
 
     w = Workload(
         "c. policy, TensorDict",
         "a TensorDictModule MLP policy (17-256-256-6, batch 32) called with a TensorDict",
         no_grad=True,
     )
-    return _with_every_tool(w, policy, call, floor)
+    _with_every_tool(w, policy, call, floor)
+    w.variants["bare replay"] = lambda: _bare_replay(
+        lambda s: policy.module(s[0]), [td["observation"]]
+    )
+    w.variants["floor, borrowed"] = floor_borrowed
+    w.variants.update(_borrowing(policy, call_own, in_place))
+    return w
 
 
 def policy_kwargs(device: torch.device) -> Workload:
@@ -270,15 +400,38 @@ def policy_kwargs(device: torch.device) -> Workload:
 
         return call
 
+    def floor_borrowed() -> Call:
+        graph, static, out = _hand_graph(lambda s: policy.module(s[0]), [obs])
+        lend = _lending(out)
+
+        def call() -> torch.Tensor:
+            torch._foreach_copy_(static, [obs])
+            graph.replay()
+            return lend()
+
+        return call
+
     def call(f: Callable[..., Any]) -> Call:
         return lambda: f(observation=obs)
+
+    def in_place(f: Any) -> Call:
+        # Asked with a call's form: without it, a TensorDict module's only graph gives its
+        # buffers as a TensorDict, whatever form its calls took.
+        _, buffers = f.input_buffers(observation=obs)
+        # The caller's data, written once: producing it is not the call's work.
+        buffers["observation"].copy_(obs)
+        return lambda: f(**buffers)
 
     w = Workload(
         "c. policy, keywords",
         "the same policy called with a keyword tensor: `policy(observation=obs)`",
         no_grad=True,
     )
-    return _with_every_tool(w, policy, call, floor)
+    _with_every_tool(w, policy, call, floor)
+    w.variants["bare replay"] = lambda: _bare_replay(lambda s: policy.module(s[0]), [obs])
+    w.variants["floor, borrowed"] = floor_borrowed
+    w.variants.update(_borrowing(policy, call, in_place))
+    return w
 
 
 def policy_grad(device: torch.device) -> Workload:
@@ -491,6 +644,10 @@ def documented_loop(device: torch.device) -> Workload:
 
         return factory
 
+    def borrowed(module: nn.Module, sample: tuple[torch.Tensor, ...]) -> Any:
+        _check_lending()  # else the library returns fresh outputs, with a warning
+        return cudagraph_td.make_graphed_callables(module, sample, outputs="borrowed")
+
     w = Workload(
         "e2. torch's documented loop",
         "torch's documented make_graphed_callables loop: two MLPs (64-256-256, 256-256-16, "
@@ -506,6 +663,8 @@ def documented_loop(device: torch.device) -> Workload:
         "cudagraph_td (module)": loop(
             lambda module, sample: cudagraph_td.CudaGraphModule(module, warmup=2)
         ),
+        # Outputs and gradients in the graphs' own memory, as torch's (issue 43).
+        "cudagraph_td, borrowed": loop(borrowed),
     }
     w.captures = {"cudagraph_td": loop(cudagraph_td.make_graphed_callables)}
     return w
