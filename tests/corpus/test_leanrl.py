@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import optree
 import pytest
 import tensordict
 import torch
@@ -81,6 +82,14 @@ class Wrap:
         self.options = options
         self.made: list[Any] = []
 
+    def keep(self, result: Any) -> Any:
+        """What the test records of a call's result, to compare at the end: the result itself,
+        or, where the outputs are borrowed, a copy. The recording is the test's, not the
+        script's: the scripts do not keep these results across calls (they log the last)."""
+        if self.options.get("outputs") != "borrowed":
+            return result
+        return optree.tree_map(torch.clone, result)
+
     def __call__(self, fn: Any, **kwargs: Any) -> Any:
         if self.cls is None:
             return fn
@@ -96,16 +105,16 @@ def _eager() -> Wrap:
 class Counting(Wrap):
     """This library's wrapper, each one's calls that fell off the replay path counted."""
 
-    def __init__(self, backend: Backend):
-        super().__init__(CudaGraphModule, backend=backend.name)
+    def __init__(self, backend: Backend, **options: Any):
+        super().__init__(CudaGraphModule, backend=backend.name, **options)
         self.replay_path = OnReplayPath()
 
     def __call__(self, fn: Any, **kwargs: Any) -> Any:
         return self.replay_path.watch(super().__call__(fn, **kwargs))
 
 
-def _ours(backend: Backend) -> Counting:
-    return Counting(backend)
+def _ours(backend: Backend, **options: Any) -> Counting:
+    return Counting(backend, **options)
 
 
 def _tensordicts() -> Wrap:
@@ -369,9 +378,12 @@ def ppo(
     env: RandomEnv,
     reward_dtype: torch.dtype,
     device: torch.device,
+    clone_kept: bool = False,
 ) -> dict[str, Any]:
     """The PPO scripts' `__main__` with `--cudagraphs`: what ``wrap`` makes of `policy`,
-    `gae` and `update` is what the script's `CudaGraphModule(...)` makes of them."""
+    `gae` and `update` is what the script's `CudaGraphModule(...)` makes of them.
+    ``clone_kept``: the one change that borrowed outputs need, the rollout's policy outputs
+    cloned (see `test_ppo_continuous_action_borrowed`)."""
     torch.manual_seed(1)
     agent = make_agent(device)
     # Make a version of agent with detached params
@@ -412,6 +424,8 @@ def ppo(
         ts = []
         for _ in range(args.num_steps):
             action, logprob, _, value = policy(obs=obs)
+            if clone_kept:  # kept in `ts` across the policy's calls, stacked after the loop
+                action, logprob, value = action.clone(), logprob.clone(), value.clone()
             next_obs, reward, next_done = env.step(reward_dtype)
             ts.append(
                 TensorDict._new_unsafe(
@@ -496,13 +510,13 @@ def ppo(
         next_obs, next_done, container = rollout(next_obs, next_done)
         container = gae(next_obs, next_done, container)
         container_flat = container.view(-1)
-        containers.append(container.to_dict())
+        containers.append(wrap.keep(container.to_dict()))
         for _ in range(args.update_epochs):
             b_inds = torch.randperm(container_flat.shape[0], device=device)
             for b in b_inds.split(args.minibatch_size):
                 container_local = container_flat[b]
                 out = update(container_local, tensordict_out=TensorDict())
-                metrics.append(out.to_dict())
+                metrics.append(wrap.keep(out.to_dict()))
     return {
         "containers": containers,
         "metrics": metrics,
@@ -772,7 +786,7 @@ def sac(wrap: Wrap, args: OffPolicyArgs, device: torch.device) -> dict[str, Any]
             actions = env.uniform_actions(N_ACT)
         else:
             actions = policy(obs)[0]
-            actions_taken.append(actions)
+            actions_taken.append(wrap.keep(actions))
             actions = actions.cpu()
         next_obs, rewards, terminations = env.step(torch.float64)
         next_obs = torch.as_tensor(next_obs, device=device, dtype=torch.float)
@@ -786,7 +800,7 @@ def sac(wrap: Wrap, args: OffPolicyArgs, device: torch.device) -> dict[str, Any]
                     out_main.update(update_pol(data))
                     alpha.copy_(log_alpha.detach().exp())
             qnet_target.lerp_(qnet_params.data, args.tau)  # target_network_frequency=1
-            metrics.append(out_main.to_dict())
+            metrics.append(wrap.keep(out_main.to_dict()))
     return {
         "actions": actions_taken,
         "metrics": metrics,
@@ -959,7 +973,7 @@ def td3(wrap: Wrap, args: OffPolicyArgs, device: torch.device) -> dict[str, Any]
             actions = env.uniform_actions(N_ACT)
         else:
             actions = policy(obs=obs)
-            actions_taken.append(actions)
+            actions_taken.append(wrap.keep(actions))
             actions = actions.clamp(action_low, action_high).cpu()
         next_obs, rewards, terminations = env.step(torch.float64)
         next_obs = torch.as_tensor(next_obs, device=device, dtype=torch.float)
@@ -972,7 +986,7 @@ def td3(wrap: Wrap, args: OffPolicyArgs, device: torch.device) -> dict[str, Any]
                 out_main.update(update_pol(data))
                 qnet_target_params.lerp_(qnet_params.data, args.tau)
                 target_actor_params.lerp_(actor_params.data, args.tau)
-            metrics.append(out_main.to_dict())
+            metrics.append(wrap.keep(out_main.to_dict()))
     return {
         "actions": actions_taken,
         "metrics": metrics,
@@ -1025,8 +1039,10 @@ def linear_schedule(
         yield slope.clamp_min(end_e)
 
 
-def dqn(wrap: Wrap, device: torch.device) -> dict[str, Any]:
-    """dqn's `__main__` with `--cudagraphs`; CartPole-v1: 4 observations, 2 actions."""
+def dqn(wrap: Wrap, device: torch.device, clone_kept: bool = False) -> dict[str, Any]:
+    """dqn's `__main__` with `--cudagraphs`; CartPole-v1: 4 observations, 2 actions.
+    ``clone_kept``: the one change that borrowed outputs need, the policy's actions cloned
+    (see `test_dqn_borrowed`)."""
     n_obs, n_act = 4, 2
     gamma, tau, learning_rate, batch_size = 0.99, 1.0, 2.5e-4, 16
     # 24 steps, learning from step 4, an update every 2 steps and the target every 8
@@ -1076,7 +1092,9 @@ def dqn(wrap: Wrap, device: torch.device) -> dict[str, Any]:
     for global_step in range(total_timesteps):
         epsilon = next(eps_schedule)
         actions = policy(obs, epsilon)
-        actions_taken.append(actions)
+        if clone_kept:  # kept in `transitions` across the policy's calls, until the update
+            actions = actions.clone()
+        actions_taken.append(wrap.keep(actions))
         next_obs, rewards, terminations = env.step(torch.float64)
         next_obs = torch.as_tensor(next_obs, dtype=torch.float).to(device, non_blocking=True)
         terminations = terminations.to(device, non_blocking=True)
@@ -1099,7 +1117,7 @@ def dqn(wrap: Wrap, device: torch.device) -> dict[str, Any]:
                 rb.extend(torch.cat(transitions))
                 transitions = []
                 data = rb.sample(batch_size)
-                losses.append(update(data))
+                losses.append(wrap.keep(update(data)))
             if global_step % target_network_frequency == 0:
                 target_params.lerp_(params_vals, tau)
     return {
