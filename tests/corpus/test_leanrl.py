@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -148,12 +149,15 @@ def check(
     run: Callable[[Wrap], dict[str, Any]],
     split: Split = _whole,
     why: str = "",
+    **options: Any,
 ) -> None:
     """Run ``run`` eagerly and with this library's wrapper, whose result must match (but
     what ``split`` sets apart, for the reason ``why``), every wrapper captured and replayed;
-    on CUDA, with tensordict's too. Both outcomes are recorded."""
+    on CUDA, with tensordict's too. Both outcomes are recorded. ``options``: the library's
+    wrapper's (``outputs="borrowed"``); with any, tensordict's class is not run (the
+    script's row without them runs it)."""
     eager = run(_eager())
-    ours = _ours(backend)
+    ours = _ours(backend, **options)
     try:
         got = run(ours)
     except Exception as err:
@@ -167,6 +171,8 @@ def check(
     # Every call after a graph's capture replays on the replay path: none is answered by
     # the slow path's full check (LeanRL's updates were, at every call, until 2026-11-25).
     ours.replay_path.check()
+    if options:
+        return
     if backend.name != "cuda":
         record("tensordict", "not run", "needs CUDA", backend=backend.name)
         return
@@ -533,6 +539,10 @@ def test_ppo_continuous_action(backend: Backend, record: Recorder) -> None:
     # 6 actions; gymnasium's rewards are float64 (as the script stores them: its advantages
     # and returns are float64). 1 env, 16 steps, 4 minibatches of 4, 2 epochs, 3 iterations
     # (2048 steps, 32 minibatches, 10 epochs in the script).
+    check(record, backend, _ppo_continuous(backend))
+
+
+def _ppo_continuous(backend: Backend, clone_kept: bool = False) -> Callable[[Wrap], Any]:
     args = PPOArgs(
         num_envs=1,
         num_steps=16,
@@ -546,11 +556,10 @@ def test_ppo_continuous_action(backend: Backend, record: Recorder) -> None:
 
     def run(wrap: Wrap) -> dict[str, Any]:
         env = RandomEnv(args.num_envs, (17,), torch.float32)
-        return ppo(
-            wrap, args, lambda d: ContinuousAgent(17, 6, d), env, torch.float64, backend.device
-        )
+        agent = lambda d: ContinuousAgent(17, 6, d)  # noqa: E731
+        return ppo(wrap, args, agent, env, torch.float64, backend.device, clone_kept)
 
-    check(record, backend, run)
+    return run
 
 
 @contextlib.contextmanager
@@ -586,6 +595,11 @@ def test_ppo_atari_envpool(backend: Backend, record: Recorder) -> None:
     # agent and a Categorical policy. Breakout-v5 through envpool, the script's default:
     # frames of 4x84x84 uint8, 4 actions, float32 rewards. 4 envs, 4 steps, 2 minibatches
     # of 8, 2 epochs, 3 iterations (8 envs, 128 steps, 4 minibatches, 4 epochs).
+    with _atari_script_settings():
+        check(record, backend, _ppo_atari(backend))
+
+
+def _ppo_atari(backend: Backend, clone_kept: bool = False) -> Callable[[Wrap], Any]:
     args = PPOArgs(
         num_envs=4,
         num_steps=4,
@@ -599,10 +613,10 @@ def test_ppo_atari_envpool(backend: Backend, record: Recorder) -> None:
 
     def run(wrap: Wrap) -> dict[str, Any]:
         env = RandomEnv(args.num_envs, (4, 84, 84), torch.uint8)
-        return ppo(wrap, args, lambda d: AtariAgent(4, d), env, torch.float32, backend.device)
+        agent = lambda d: AtariAgent(4, d)  # noqa: E731
+        return ppo(wrap, args, agent, env, torch.float32, backend.device, clone_kept)
 
-    with _atari_script_settings():
-        check(record, backend, run)
+    return run
 
 
 # ----------------------------------------------------------------------------------------
@@ -819,8 +833,12 @@ def test_sac_continuous_action(backend: Backend, record: Recorder) -> None:
     # the sampled batch; the policy is not graphed (as in the script). HalfCheetah-v4 (17
     # observations, 6 actions), 4 random steps then 17 of the policy, 16 of which learn (8
     # with two policy updates), batches of 32 (5000 random steps, batches of 256).
+    check(record, backend, _sac(backend), _alpha_aside, ALPHA)
+
+
+def _sac(backend: Backend) -> Callable[[Wrap], Any]:
     args = OffPolicyArgs(total_timesteps=21, learning_starts=4, batch_size=32)
-    check(record, backend, lambda wrap: sac(wrap, args, backend.device), _alpha_aside, ALPHA)
+    return lambda wrap: sac(wrap, args, backend.device)
 
 
 # update_pol returns `alpha.detach()`, a view of the global `alpha` that the script then
@@ -1005,8 +1023,12 @@ def test_td3_continuous_action(backend: Backend, record: Recorder) -> None:
     # `CudaGraphModule(fn)` (warmup=2). HalfCheetah-v4 (17 observations, 6 actions), 3
     # random steps then 17 steps of the policy and 16 learning ones (8 with a policy
     # update), batches of 32 (25000 random steps and batches of 256 in the script).
+    check(record, backend, _td3(backend))
+
+
+def _td3(backend: Backend) -> Callable[[Wrap], Any]:
     args = OffPolicyArgs(total_timesteps=20, learning_starts=3, batch_size=32)
-    check(record, backend, lambda wrap: td3(wrap, args, backend.device))
+    return lambda wrap: td3(wrap, args, backend.device)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1135,3 +1157,105 @@ def test_dqn(backend: Backend, record: Recorder) -> None:
     # `policy(obs, epsilon)` with a 0-dim tensor epsilon), each `CudaGraphModule(fn)` with
     # the defaults (warmup=2). CartPole-v1: 4 observations, 2 actions; batches of 16.
     check(record, backend, lambda wrap: dqn(wrap, backend.device))
+
+
+# ----------------------------------------------------------------------------------------
+# Borrowed outputs (issue 43): each script again, this library's wrappers made with
+# `CudaGraphModule(..., outputs="borrowed")`, that option their only change. A script runs
+# unchanged and matches its eager twin as the row above does, or raises the library's
+# use-after-overwrite error where its own code keeps an output across calls; then the same
+# script with the one `.clone()` that keeps a copy instead must match eager. What the test
+# itself records to compare is copied (`Wrap.keep`): the scripts do not keep it.
+
+
+def _overwritten(name: str) -> str:
+    """The error of an output of the wrapper of ``name`` used after its graph's next replay."""
+    return (
+        re.escape(
+            f"CudaGraphModule({name}), mode 'grad': this output was borrowed from its graph "
+            '(`outputs="borrowed"`), and the graph\'s replay '
+        )
+        + r"\d+ has overwritten it"
+    )
+
+
+def check_keeps_output(
+    record: Recorder, backend: Backend, run: Callable[[Wrap], Any], name: str, where: str
+) -> None:
+    """``run`` with borrowed outputs raises the use-after-overwrite error of the wrapper
+    ``name``, at the script's line ``where`` (the one that reads the outputs it kept)."""
+    with pytest.raises(RuntimeError, match=_overwritten(name)) as raised:
+        run(_ours(backend, outputs="borrowed"))
+    record("cudagraph_td", "raises", _first_line(raised.value), backend=backend.name)
+    lines = [str(entry.statement).strip() for entry in raised.traceback]
+    assert where in lines, lines
+
+
+@pytest.mark.parametrize("clone_kept", [False, True], ids=["as_written", "clone_kept"])
+def test_ppo_continuous_action_borrowed(
+    backend: Backend, record: Recorder, clone_kept: bool
+) -> None:
+    # `rollout` keeps each step's `policy(obs=obs)` outputs (action, logprob and a view of
+    # the value, `value.flatten()`) in `ts`, a TensorDict per step, and stacks them after the
+    # loop (`container = torch.stack(ts, 0).to(device)`): by then the policy's next replays
+    # have overwritten all but the last step's. `gae`'s container and `update`'s outputs are
+    # read before the next call of their wrapper. The change: the outputs cloned as the
+    # rollout takes them (`clone_kept`).
+    run = _ppo_continuous(backend, clone_kept)
+    if not clone_kept:
+        check_keeps_output(
+            record,
+            backend,
+            run,
+            "get_action_and_value",
+            "container = torch.stack(ts, 0).to(device)",
+        )
+        return
+    check(record, backend, run, outputs="borrowed")
+
+
+@pytest.mark.usefixtures("deterministic_convolutions")
+@pytest.mark.parametrize("clone_kept", [False, True], ids=["as_written", "clone_kept"])
+def test_ppo_atari_envpool_borrowed(backend: Backend, record: Recorder, clone_kept: bool) -> None:
+    # The same `rollout` as ppo_continuous_action: the policy's outputs kept in `ts`.
+    run = _ppo_atari(backend, clone_kept)
+    with _atari_script_settings():
+        if not clone_kept:
+            check_keeps_output(
+                record,
+                backend,
+                run,
+                "get_action_and_value",
+                "container = torch.stack(ts, 0).to(device)",
+            )
+            return
+        check(record, backend, run, outputs="borrowed")
+
+
+def test_sac_continuous_action_borrowed(backend: Backend, record: Recorder) -> None:
+    # Unchanged: `out_main` holds the outputs of one step's `update_main` and last
+    # `update_pol` (`out_main.update(update_pol(data))` replaces the first of the two policy
+    # updates' outputs before the second), read before the next call. Its alpha metric
+    # differs from eager's as in the row above: a replay's value at the call.
+    check(record, backend, _sac(backend), _alpha_aside, ALPHA, outputs="borrowed")
+
+
+def test_td3_continuous_action_borrowed(backend: Backend, record: Recorder) -> None:
+    # Unchanged: the policy's action is clamped into a new tensor at once
+    # (`actions.clamp(action_low, action_high).cpu()`), which the transition keeps; the
+    # updates' outputs are read before their next call.
+    check(record, backend, _td3(backend), outputs="borrowed")
+
+
+@pytest.mark.parametrize("clone_kept", [False, True], ids=["as_written", "clone_kept"])
+def test_dqn_borrowed(backend: Backend, record: Recorder, clone_kept: bool) -> None:
+    # The loop keeps each step's `actions = policy(obs, epsilon)` in `transitions` (a
+    # TensorDict per step, `actions=actions`) until the next update, `train_frequency` steps
+    # later, concatenates them (`rb.extend(torch.cat(transitions))`): the policy's replays
+    # have overwritten all but the last. `loss = update(data)` is read before the next
+    # update. The change: `policy(obs, epsilon).clone()` (`clone_kept`).
+    run = lambda wrap: dqn(wrap, backend.device, clone_kept)  # noqa: E731
+    if not clone_kept:
+        check_keeps_output(record, backend, run, "policy", "rb.extend(torch.cat(transitions))")
+        return
+    check(record, backend, run, outputs="borrowed")
