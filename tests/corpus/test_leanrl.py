@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import optree
 import pytest
 import tensordict
 import torch
@@ -81,6 +83,14 @@ class Wrap:
         self.options = options
         self.made: list[Any] = []
 
+    def keep(self, result: Any) -> Any:
+        """What the test records of a call's result, to compare at the end: the result itself,
+        or, where the outputs are borrowed, a copy. The recording is the test's, not the
+        script's: the scripts do not keep these results across calls (they log the last)."""
+        if self.options.get("outputs") != "borrowed":
+            return result
+        return optree.tree_map(torch.clone, result)
+
     def __call__(self, fn: Any, **kwargs: Any) -> Any:
         if self.cls is None:
             return fn
@@ -96,16 +106,16 @@ def _eager() -> Wrap:
 class Counting(Wrap):
     """This library's wrapper, each one's calls that fell off the replay path counted."""
 
-    def __init__(self, backend: Backend):
-        super().__init__(CudaGraphModule, backend=backend.name)
+    def __init__(self, backend: Backend, **options: Any):
+        super().__init__(CudaGraphModule, backend=backend.name, **options)
         self.replay_path = OnReplayPath()
 
     def __call__(self, fn: Any, **kwargs: Any) -> Any:
         return self.replay_path.watch(super().__call__(fn, **kwargs))
 
 
-def _ours(backend: Backend) -> Counting:
-    return Counting(backend)
+def _ours(backend: Backend, **options: Any) -> Counting:
+    return Counting(backend, **options)
 
 
 def _tensordicts() -> Wrap:
@@ -139,12 +149,15 @@ def check(
     run: Callable[[Wrap], dict[str, Any]],
     split: Split = _whole,
     why: str = "",
+    **options: Any,
 ) -> None:
     """Run ``run`` eagerly and with this library's wrapper, whose result must match (but
     what ``split`` sets apart, for the reason ``why``), every wrapper captured and replayed;
-    on CUDA, with tensordict's too. Both outcomes are recorded."""
+    on CUDA, with tensordict's too. Both outcomes are recorded. ``options``: the library's
+    wrapper's (``outputs="borrowed"``); with any, tensordict's class is not run (the
+    script's row without them runs it)."""
     eager = run(_eager())
-    ours = _ours(backend)
+    ours = _ours(backend, **options)
     try:
         got = run(ours)
     except Exception as err:
@@ -158,6 +171,8 @@ def check(
     # Every call after a graph's capture replays on the replay path: none is answered by
     # the slow path's full check (LeanRL's updates were, at every call, until 2026-11-25).
     ours.replay_path.check()
+    if options:
+        return
     if backend.name != "cuda":
         record("tensordict", "not run", "needs CUDA", backend=backend.name)
         return
@@ -369,9 +384,12 @@ def ppo(
     env: RandomEnv,
     reward_dtype: torch.dtype,
     device: torch.device,
+    clone_kept: bool = False,
 ) -> dict[str, Any]:
     """The PPO scripts' `__main__` with `--cudagraphs`: what ``wrap`` makes of `policy`,
-    `gae` and `update` is what the script's `CudaGraphModule(...)` makes of them."""
+    `gae` and `update` is what the script's `CudaGraphModule(...)` makes of them.
+    ``clone_kept``: the one change that borrowed outputs need, the rollout's policy outputs
+    cloned (see `test_ppo_continuous_action_borrowed`)."""
     torch.manual_seed(1)
     agent = make_agent(device)
     # Make a version of agent with detached params
@@ -412,6 +430,8 @@ def ppo(
         ts = []
         for _ in range(args.num_steps):
             action, logprob, _, value = policy(obs=obs)
+            if clone_kept:  # kept in `ts` across the policy's calls, stacked after the loop
+                action, logprob, value = action.clone(), logprob.clone(), value.clone()
             next_obs, reward, next_done = env.step(reward_dtype)
             ts.append(
                 TensorDict._new_unsafe(
@@ -496,13 +516,13 @@ def ppo(
         next_obs, next_done, container = rollout(next_obs, next_done)
         container = gae(next_obs, next_done, container)
         container_flat = container.view(-1)
-        containers.append(container.to_dict())
+        containers.append(wrap.keep(container.to_dict()))
         for _ in range(args.update_epochs):
             b_inds = torch.randperm(container_flat.shape[0], device=device)
             for b in b_inds.split(args.minibatch_size):
                 container_local = container_flat[b]
                 out = update(container_local, tensordict_out=TensorDict())
-                metrics.append(out.to_dict())
+                metrics.append(wrap.keep(out.to_dict()))
     return {
         "containers": containers,
         "metrics": metrics,
@@ -519,6 +539,10 @@ def test_ppo_continuous_action(backend: Backend, record: Recorder) -> None:
     # 6 actions; gymnasium's rewards are float64 (as the script stores them: its advantages
     # and returns are float64). 1 env, 16 steps, 4 minibatches of 4, 2 epochs, 3 iterations
     # (2048 steps, 32 minibatches, 10 epochs in the script).
+    check(record, backend, _ppo_continuous(backend))
+
+
+def _ppo_continuous(backend: Backend, clone_kept: bool = False) -> Callable[[Wrap], Any]:
     args = PPOArgs(
         num_envs=1,
         num_steps=16,
@@ -532,11 +556,10 @@ def test_ppo_continuous_action(backend: Backend, record: Recorder) -> None:
 
     def run(wrap: Wrap) -> dict[str, Any]:
         env = RandomEnv(args.num_envs, (17,), torch.float32)
-        return ppo(
-            wrap, args, lambda d: ContinuousAgent(17, 6, d), env, torch.float64, backend.device
-        )
+        agent = lambda d: ContinuousAgent(17, 6, d)  # noqa: E731
+        return ppo(wrap, args, agent, env, torch.float64, backend.device, clone_kept)
 
-    check(record, backend, run)
+    return run
 
 
 @contextlib.contextmanager
@@ -572,6 +595,11 @@ def test_ppo_atari_envpool(backend: Backend, record: Recorder) -> None:
     # agent and a Categorical policy. Breakout-v5 through envpool, the script's default:
     # frames of 4x84x84 uint8, 4 actions, float32 rewards. 4 envs, 4 steps, 2 minibatches
     # of 8, 2 epochs, 3 iterations (8 envs, 128 steps, 4 minibatches, 4 epochs).
+    with _atari_script_settings():
+        check(record, backend, _ppo_atari(backend))
+
+
+def _ppo_atari(backend: Backend, clone_kept: bool = False) -> Callable[[Wrap], Any]:
     args = PPOArgs(
         num_envs=4,
         num_steps=4,
@@ -585,10 +613,10 @@ def test_ppo_atari_envpool(backend: Backend, record: Recorder) -> None:
 
     def run(wrap: Wrap) -> dict[str, Any]:
         env = RandomEnv(args.num_envs, (4, 84, 84), torch.uint8)
-        return ppo(wrap, args, lambda d: AtariAgent(4, d), env, torch.float32, backend.device)
+        agent = lambda d: AtariAgent(4, d)  # noqa: E731
+        return ppo(wrap, args, agent, env, torch.float32, backend.device, clone_kept)
 
-    with _atari_script_settings():
-        check(record, backend, run)
+    return run
 
 
 # ----------------------------------------------------------------------------------------
@@ -772,7 +800,7 @@ def sac(wrap: Wrap, args: OffPolicyArgs, device: torch.device) -> dict[str, Any]
             actions = env.uniform_actions(N_ACT)
         else:
             actions = policy(obs)[0]
-            actions_taken.append(actions)
+            actions_taken.append(wrap.keep(actions))
             actions = actions.cpu()
         next_obs, rewards, terminations = env.step(torch.float64)
         next_obs = torch.as_tensor(next_obs, device=device, dtype=torch.float)
@@ -786,7 +814,7 @@ def sac(wrap: Wrap, args: OffPolicyArgs, device: torch.device) -> dict[str, Any]
                     out_main.update(update_pol(data))
                     alpha.copy_(log_alpha.detach().exp())
             qnet_target.lerp_(qnet_params.data, args.tau)  # target_network_frequency=1
-            metrics.append(out_main.to_dict())
+            metrics.append(wrap.keep(out_main.to_dict()))
     return {
         "actions": actions_taken,
         "metrics": metrics,
@@ -805,8 +833,12 @@ def test_sac_continuous_action(backend: Backend, record: Recorder) -> None:
     # the sampled batch; the policy is not graphed (as in the script). HalfCheetah-v4 (17
     # observations, 6 actions), 4 random steps then 17 of the policy, 16 of which learn (8
     # with two policy updates), batches of 32 (5000 random steps, batches of 256).
+    check(record, backend, _sac(backend), _alpha_aside, ALPHA)
+
+
+def _sac(backend: Backend) -> Callable[[Wrap], Any]:
     args = OffPolicyArgs(total_timesteps=21, learning_starts=4, batch_size=32)
-    check(record, backend, lambda wrap: sac(wrap, args, backend.device), _alpha_aside, ALPHA)
+    return lambda wrap: sac(wrap, args, backend.device)
 
 
 # update_pol returns `alpha.detach()`, a view of the global `alpha` that the script then
@@ -959,7 +991,7 @@ def td3(wrap: Wrap, args: OffPolicyArgs, device: torch.device) -> dict[str, Any]
             actions = env.uniform_actions(N_ACT)
         else:
             actions = policy(obs=obs)
-            actions_taken.append(actions)
+            actions_taken.append(wrap.keep(actions))
             actions = actions.clamp(action_low, action_high).cpu()
         next_obs, rewards, terminations = env.step(torch.float64)
         next_obs = torch.as_tensor(next_obs, device=device, dtype=torch.float)
@@ -972,7 +1004,7 @@ def td3(wrap: Wrap, args: OffPolicyArgs, device: torch.device) -> dict[str, Any]
                 out_main.update(update_pol(data))
                 qnet_target_params.lerp_(qnet_params.data, args.tau)
                 target_actor_params.lerp_(actor_params.data, args.tau)
-            metrics.append(out_main.to_dict())
+            metrics.append(wrap.keep(out_main.to_dict()))
     return {
         "actions": actions_taken,
         "metrics": metrics,
@@ -991,8 +1023,12 @@ def test_td3_continuous_action(backend: Backend, record: Recorder) -> None:
     # `CudaGraphModule(fn)` (warmup=2). HalfCheetah-v4 (17 observations, 6 actions), 3
     # random steps then 17 steps of the policy and 16 learning ones (8 with a policy
     # update), batches of 32 (25000 random steps and batches of 256 in the script).
+    check(record, backend, _td3(backend))
+
+
+def _td3(backend: Backend) -> Callable[[Wrap], Any]:
     args = OffPolicyArgs(total_timesteps=20, learning_starts=3, batch_size=32)
-    check(record, backend, lambda wrap: td3(wrap, args, backend.device))
+    return lambda wrap: td3(wrap, args, backend.device)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1025,8 +1061,10 @@ def linear_schedule(
         yield slope.clamp_min(end_e)
 
 
-def dqn(wrap: Wrap, device: torch.device) -> dict[str, Any]:
-    """dqn's `__main__` with `--cudagraphs`; CartPole-v1: 4 observations, 2 actions."""
+def dqn(wrap: Wrap, device: torch.device, clone_kept: bool = False) -> dict[str, Any]:
+    """dqn's `__main__` with `--cudagraphs`; CartPole-v1: 4 observations, 2 actions.
+    ``clone_kept``: the one change that borrowed outputs need, the policy's actions cloned
+    (see `test_dqn_borrowed`)."""
     n_obs, n_act = 4, 2
     gamma, tau, learning_rate, batch_size = 0.99, 1.0, 2.5e-4, 16
     # 24 steps, learning from step 4, an update every 2 steps and the target every 8
@@ -1076,7 +1114,9 @@ def dqn(wrap: Wrap, device: torch.device) -> dict[str, Any]:
     for global_step in range(total_timesteps):
         epsilon = next(eps_schedule)
         actions = policy(obs, epsilon)
-        actions_taken.append(actions)
+        if clone_kept:  # kept in `transitions` across the policy's calls, until the update
+            actions = actions.clone()
+        actions_taken.append(wrap.keep(actions))
         next_obs, rewards, terminations = env.step(torch.float64)
         next_obs = torch.as_tensor(next_obs, dtype=torch.float).to(device, non_blocking=True)
         terminations = terminations.to(device, non_blocking=True)
@@ -1099,7 +1139,7 @@ def dqn(wrap: Wrap, device: torch.device) -> dict[str, Any]:
                 rb.extend(torch.cat(transitions))
                 transitions = []
                 data = rb.sample(batch_size)
-                losses.append(update(data))
+                losses.append(wrap.keep(update(data)))
             if global_step % target_network_frequency == 0:
                 target_params.lerp_(params_vals, tau)
     return {
@@ -1117,3 +1157,105 @@ def test_dqn(backend: Backend, record: Recorder) -> None:
     # `policy(obs, epsilon)` with a 0-dim tensor epsilon), each `CudaGraphModule(fn)` with
     # the defaults (warmup=2). CartPole-v1: 4 observations, 2 actions; batches of 16.
     check(record, backend, lambda wrap: dqn(wrap, backend.device))
+
+
+# ----------------------------------------------------------------------------------------
+# Borrowed outputs (issue 43): each script again, this library's wrappers made with
+# `CudaGraphModule(..., outputs="borrowed")`, that option their only change. A script runs
+# unchanged and matches its eager twin as the row above does, or raises the library's
+# use-after-overwrite error where its own code keeps an output across calls; then the same
+# script with the one `.clone()` that keeps a copy instead must match eager. What the test
+# itself records to compare is copied (`Wrap.keep`): the scripts do not keep it.
+
+
+def _overwritten(name: str) -> str:
+    """The error of an output of the wrapper of ``name`` used after its graph's next replay."""
+    return (
+        re.escape(
+            f"CudaGraphModule({name}), mode 'grad': this output was borrowed from its graph "
+            '(`outputs="borrowed"`), and the graph\'s replay '
+        )
+        + r"\d+ has overwritten it"
+    )
+
+
+def check_keeps_output(
+    record: Recorder, backend: Backend, run: Callable[[Wrap], Any], name: str, where: str
+) -> None:
+    """``run`` with borrowed outputs raises the use-after-overwrite error of the wrapper
+    ``name``, at the script's line ``where`` (the one that reads the outputs it kept)."""
+    with pytest.raises(RuntimeError, match=_overwritten(name)) as raised:
+        run(_ours(backend, outputs="borrowed"))
+    record("cudagraph_td", "raises", _first_line(raised.value), backend=backend.name)
+    lines = [str(entry.statement).strip() for entry in raised.traceback]
+    assert where in lines, lines
+
+
+@pytest.mark.parametrize("clone_kept", [False, True], ids=["as_written", "clone_kept"])
+def test_ppo_continuous_action_borrowed(
+    backend: Backend, record: Recorder, clone_kept: bool
+) -> None:
+    # `rollout` keeps each step's `policy(obs=obs)` outputs (action, logprob and a view of
+    # the value, `value.flatten()`) in `ts`, a TensorDict per step, and stacks them after the
+    # loop (`container = torch.stack(ts, 0).to(device)`): by then the policy's next replays
+    # have overwritten all but the last step's. `gae`'s container and `update`'s outputs are
+    # read before the next call of their wrapper. The change: the outputs cloned as the
+    # rollout takes them (`clone_kept`).
+    run = _ppo_continuous(backend, clone_kept)
+    if not clone_kept:
+        check_keeps_output(
+            record,
+            backend,
+            run,
+            "get_action_and_value",
+            "container = torch.stack(ts, 0).to(device)",
+        )
+        return
+    check(record, backend, run, outputs="borrowed")
+
+
+@pytest.mark.usefixtures("deterministic_convolutions")
+@pytest.mark.parametrize("clone_kept", [False, True], ids=["as_written", "clone_kept"])
+def test_ppo_atari_envpool_borrowed(backend: Backend, record: Recorder, clone_kept: bool) -> None:
+    # The same `rollout` as ppo_continuous_action: the policy's outputs kept in `ts`.
+    run = _ppo_atari(backend, clone_kept)
+    with _atari_script_settings():
+        if not clone_kept:
+            check_keeps_output(
+                record,
+                backend,
+                run,
+                "get_action_and_value",
+                "container = torch.stack(ts, 0).to(device)",
+            )
+            return
+        check(record, backend, run, outputs="borrowed")
+
+
+def test_sac_continuous_action_borrowed(backend: Backend, record: Recorder) -> None:
+    # Unchanged: `out_main` holds the outputs of one step's `update_main` and last
+    # `update_pol` (`out_main.update(update_pol(data))` replaces the first of the two policy
+    # updates' outputs before the second), read before the next call. Its alpha metric
+    # differs from eager's as in the row above: a replay's value at the call.
+    check(record, backend, _sac(backend), _alpha_aside, ALPHA, outputs="borrowed")
+
+
+def test_td3_continuous_action_borrowed(backend: Backend, record: Recorder) -> None:
+    # Unchanged: the policy's action is clamped into a new tensor at once
+    # (`actions.clamp(action_low, action_high).cpu()`), which the transition keeps; the
+    # updates' outputs are read before their next call.
+    check(record, backend, _td3(backend), outputs="borrowed")
+
+
+@pytest.mark.parametrize("clone_kept", [False, True], ids=["as_written", "clone_kept"])
+def test_dqn_borrowed(backend: Backend, record: Recorder, clone_kept: bool) -> None:
+    # The loop keeps each step's `actions = policy(obs, epsilon)` in `transitions` (a
+    # TensorDict per step, `actions=actions`) until the next update, `train_frequency` steps
+    # later, concatenates them (`rb.extend(torch.cat(transitions))`): the policy's replays
+    # have overwritten all but the last. `loss = update(data)` is read before the next
+    # update. The change: `policy(obs, epsilon).clone()` (`clone_kept`).
+    run = lambda wrap: dqn(wrap, backend.device, clone_kept)  # noqa: E731
+    if not clone_kept:
+        check_keeps_output(record, backend, run, "policy", "rb.extend(torch.cat(transitions))")
+        return
+    check(record, backend, run, outputs="borrowed")
