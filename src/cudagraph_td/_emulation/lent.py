@@ -44,6 +44,18 @@ _METADATA: set[Callable[..., Any]] = {
     torch.Tensor.stride,
     torch.Tensor.storage_offset,
     torch.Tensor.__len__,
+    torch.Tensor.is_nested.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.is_sparse.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.is_meta.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.is_leaf.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.layout.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.grad_fn.__get__,  # type: ignore[union-attr]
+    torch.Tensor.is_quantized.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.dim_order,
+    torch.Tensor.element_size,
+    torch.Tensor.is_contiguous,
+    torch.Tensor.is_floating_point,
+    torch.Tensor.is_complex,
 }
 """What reads a tensor's metadata only: allowed after the loan ends, as on CUDA."""
 
