@@ -243,6 +243,8 @@ class Parts:
 
     def done(self) -> dict[str, Any]:
         """The run's figures, per step, in microseconds."""
+        if self.mode == "host":  # no GPU window: the loop's end ends the last step
+            self.starts.append(time.perf_counter())
         steps = len(self.starts) - 1
         if steps < 2:
             raise RuntimeError("no steps in the host window: raise --total-timesteps")
@@ -330,7 +332,7 @@ def run_child(args: argparse.Namespace) -> None:
     """One run in this process; its figures go to ``args.result`` as JSON."""
     stand_ins()
     use_variant(args.variant, args.emulate)
-    import tensordict
+    import tensordict.nn
     import torch
 
     path = pathlib.Path(args.leanrl_dir) / SCRIPTS[args.script]
@@ -350,7 +352,11 @@ def run_child(args: argparse.Namespace) -> None:
     with context:
         exec(code, namespace)
     result = parts.done()
+    wrapper = tensordict.nn.CudaGraphModule  # what the script's import found
+    options = getattr(wrapper, "keywords", {})
+    wrapper = getattr(wrapper, "func", wrapper)
     result.update(
+        wrapper=f"{wrapper.__module__}.{wrapper.__qualname__}{options or ''}",
         script=args.script,
         variant=args.variant,
         device=torch.cuda.get_device_name() if cuda else "cpu",
@@ -388,7 +394,7 @@ def run_once(args: argparse.Namespace, script: str, variant: str) -> dict[str, A
 
 
 def _median(runs: list[dict[str, Any]], key: str, part: str | None = None) -> float | None:
-    values = [r[key] if part is None else r.get(key, {}).get(part) for r in runs]
+    values = [r.get(key) if part is None else r.get(key, {}).get(part) for r in runs]
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
 
@@ -466,10 +472,8 @@ def run_all(args: argparse.Namespace) -> None:
                     continue
                 first = first or result
                 runs[script][variant].append(result)
-                print(
-                    f"{script} / {variant} run {r + 1}: {result['steps_per_s']:.0f} steps/s",
-                    flush=True,
-                )
+                rate = f"{result['steps_per_s']:.0f} steps/s"
+                print(f"{script} / {variant} run {r + 1}: {rate} ({result['wrapper']})", flush=True)
     if first:
         print(f"\n{first['device']}, torch {first['torch']}, tensordict {first['tensordict']}")
     for script in scripts:
