@@ -418,7 +418,9 @@ def table(script: str, runs: dict[str, list[dict[str, Any]]], failed: dict[str, 
         ratio = rate[v] / rate["tensordict"] if rate.get("tensordict") else None  # type: ignore[operator]
         lines.append(f"| {v} | {_cell(rate[v])} | {each} | {_cell(ratio, 3)} |")
     for v, why in failed.items():
-        lines.append(f"| {v} | failed: {why.splitlines()[0][:100]} | | |")
+        lines.append(f"| {v} | failed: {why.strip().splitlines()[-1].strip()[:100]} | | |")
+    if not names:
+        return "\n".join(lines)
     lines += ["", "Time per step, microseconds (host / GPU; median over runs):", ""]
     lines.append("| part | " + " | ".join(names) + " |")
     lines.append("|---|" + "---|" * len(names))
