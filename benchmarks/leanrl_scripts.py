@@ -292,16 +292,18 @@ def stand_ins() -> None:
         kwargs.setdefault("preserve_module_state", False)
         return to_module(self, module, **kwargs)
 
-    owner.to_module = to_module_as_in_2024
+    setattr(owner, "to_module", to_module_as_in_2024)  # noqa: B010  (a method replaced)
     write = TensorDictModule._write_to_tensordict
 
     @functools.wraps(write)
-    def write_first_outputs(self: Any, tensordict: Any, tensors: Any, *args: Any, **kwargs: Any):
+    def write_first_outputs(
+        self: Any, tensordict: Any, tensors: Any, *args: Any, **kwargs: Any
+    ) -> Any:
         out_keys = kwargs.get("out_keys") or (args[1] if len(args) > 1 else None)
         keys = self.out_keys_source if out_keys is None else out_keys
         return write(self, tensordict, tensors[: len(keys)], *args, **kwargs)
 
-    TensorDictModule._write_to_tensordict = write_first_outputs
+    setattr(TensorDictModule, "_write_to_tensordict", write_first_outputs)  # noqa: B010
 
 
 def use_variant(variant: str, emulate: bool) -> None:
@@ -315,7 +317,7 @@ def use_variant(variant: str, emulate: bool) -> None:
     options: dict[str, Any] = {"backend": "emulate"} if emulate else {}
     if variant == "borrowed":
         options["outputs"] = "borrowed"
-    tensordict.nn.CudaGraphModule = functools.partial(CudaGraphModule, **options)
+    setattr(tensordict.nn, "CudaGraphModule", functools.partial(CudaGraphModule, **options))  # noqa: B010
 
 
 def script_args(args: argparse.Namespace, variant: str) -> list[str]:
@@ -390,13 +392,14 @@ def run_once(args: argparse.Namespace, script: str, variant: str) -> dict[str, A
             raise RuntimeError(
                 f"exit {done.returncode}:\n    " + "\n    ".join(lines[-args.tail :])
             )
-        return json.loads(result.read_text())
+        found: dict[str, Any] = json.loads(result.read_text())
+        return found
 
 
 def _median(runs: list[dict[str, Any]], key: str, part: str | None = None) -> float | None:
     values = [r.get(key) if part is None else r.get(key, {}).get(part) for r in runs]
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
+    found = [float(v) for v in values if v is not None]
+    return statistics.median(found) if found else None
 
 
 def _cell(value: float | None, digits: int = 0) -> str:
@@ -458,7 +461,9 @@ def run_all(args: argparse.Namespace) -> None:
         f"{args.gpu_steps}; {args.runs} runs a variant{' (CPU emulation)' if args.emulate else ''}",
         flush=True,
     )
-    runs = {s: {v: [] for v in variants} for s in scripts}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        s: {v: [] for v in variants} for s in scripts
+    }
     failed: dict[str, dict[str, str]] = {s: {} for s in scripts}
     first: dict[str, Any] = {}
     for r in range(args.runs):
