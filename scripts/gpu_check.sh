@@ -6,6 +6,7 @@
 #   bash scripts/gpu_check.sh                 # tests and examples
 #   TESTS=0 BENCH=1 bash scripts/gpu_check.sh # the benchmark alone (SOAK=0: without the soak)
 #   TESTS=0 TORCHRL=0 SOAK=0 LEANRL=1 bash scripts/gpu_check.sh  # LeanRL's loops end to end
+#   TESTS=0 TORCHRL=0 SOAK=0 LEANRL_SCRIPTS=1 bash scripts/gpu_check.sh  # LeanRL's own scripts
 # It installs the wheels that ../shared/gpu/fetch-wheels.sh put in .whl/ (if any), and writes
 # its logs to $OUT (or ./gpu-logs when OUT is unset); test-pairs.log pairs each test body's
 # outcome on the emulation with its outcome on CUDA (scripts/test_pairs.py). With wheels in
@@ -94,5 +95,24 @@ if [ "${LEANRL:-0}" = 1 ]; then
   # shellcheck disable=SC2086  # the settings' words are its arguments
   python3 benchmarks/leanrl.py ${LEANRL_ARGS:---steps 700 --skip 30 --rounds 5} 2>&1 \
     | tee "$out/leanrl.log" || status=1
+fi
+if [ "${LEANRL_SCRIPTS:-0}" = 1 ]; then
+  # LeanRL's own TD3 and SAC scripts on HalfCheetah-v4 (benchmarks/leanrl_scripts.py):
+  # tensordict's class, cudagraph_td's, cudagraph_td's with borrowed outputs, 3 runs each,
+  # a fresh process a run (about 4 minutes on an H100 with these settings). Needs .leanrl/
+  # and .whl-leanrl/ from scripts/fetch_leanrl.sh, in a site directory of their own (its
+  # numpy<2 and gymnasium 0.29 ahead of whatever torch's environment has).
+  if compgen -G ".whl-leanrl/*.whl" > /dev/null && [ -d .leanrl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site-leanrl .whl-leanrl/*.whl || exit 1
+    # shellcheck disable=SC2086  # the settings' words are its arguments
+    PYTHONPATH="$PWD/src:/tmp/site-leanrl:$PYTHONPATH" python3 benchmarks/leanrl_scripts.py \
+      ${LEANRL_SCRIPTS_ARGS:---runs 3 --total-timesteps 2200 --learning-starts 800 --timeout 150} \
+      --out "$out" 2>&1 | tee "$out/leanrl_scripts.log" || status=1
+  else
+    echo "LEANRL_SCRIPTS=1: .whl-leanrl/ or .leanrl/ missing (bash scripts/fetch_leanrl.sh)" \
+      | tee "$out/leanrl_scripts.log"
+    status=1
+  fi
 fi
 exit $status
