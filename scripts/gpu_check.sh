@@ -99,7 +99,7 @@ fi
 if [ "${LEANRL_SCRIPTS:-0}" = 1 ]; then
   # LeanRL's own TD3 and SAC scripts on HalfCheetah-v4 (benchmarks/leanrl_scripts.py):
   # tensordict's class, cudagraph_td's, cudagraph_td's with borrowed outputs, 3 runs each,
-  # a fresh process a run (about 4 minutes on an H100 with these settings). Needs .leanrl/
+  # a fresh process a run (about 6 minutes on an H100 with these settings: 15 of the 18 runs took 300 s). Needs .leanrl/
   # and .whl-leanrl/ from scripts/fetch_leanrl.sh, in a site directory of their own (its
   # numpy<2 and gymnasium 0.29 ahead of whatever torch's environment has).
   if compgen -G ".whl-leanrl/*.whl" > /dev/null && [ -d .leanrl ]; then
