@@ -181,6 +181,43 @@ def test_make_graphed_callables_lends_outputs_and_gradients(backend: Backend) ->
         y.detach().sum()
 
 
+@torch.no_grad()
+def test_a_borrowed_output_fed_back_as_the_next_calls_input(backend: Backend) -> None:
+    # A recurrent state: the call reads it before its replay overwrites it.
+    lin = torch.nn.Linear(4, 4).to(backend.device)
+
+    def step(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(lin(x) + h)
+
+    graphed = backend.wrap(step, outputs="borrowed")
+    h = expected = backend.randn(2, 4)
+    for _ in range(6):
+        x = backend.randn(2, 4)
+        h, expected = graphed(x, h), step(x, expected)
+        torch.testing.assert_close(h, expected)
+
+
+@torch.no_grad()
+def test_a_borrowed_output_updated_in_place_as_an_input_raises(backend: Backend) -> None:
+    # Its memory is the graph's output memory, which the replay has just overwritten with
+    # the new output: the in-place update cannot reach it. A clone of it can be updated.
+    def bump(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        h.add_(1)
+        return h * 2 + x
+
+    graphed = backend.wrap(bump, outputs="borrowed")
+    h = backend.randn(3)
+    _warm(lambda x: graphed(x, h.clone()), lambda: backend.randn(3))
+    y = graphed(backend.randn(3), h.clone())
+    with pytest.raises(RuntimeError, match=OVERWRITTEN):
+        graphed(backend.randn(3), y)
+        backend.sync()
+    kept = graphed(backend.randn(3), h.clone()).clone()
+    before, x = kept.clone(), backend.randn(3)
+    torch.testing.assert_close(graphed(x, kept), (before + 1) * 2 + x)
+    torch.testing.assert_close(kept, before + 1)  # the update reached the caller's tensor
+
+
 # --- every use after overwrite raises -----------------------------------------------------
 
 
