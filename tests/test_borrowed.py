@@ -304,6 +304,16 @@ def test_fresh_outputs_are_unchanged_by_the_option(backend: Backend) -> None:
     torch.testing.assert_close(y, net(x))  # a copy: the next replay leaves it
 
 
+@torch.no_grad()
+def test_the_option_shows_and_a_borrowed_output_prints_as_a_tensor(backend: Backend) -> None:
+    _, graphed = _policy(backend)
+    assert "outputs='borrowed'" in repr(graphed)
+    _warm(graphed, lambda: backend.randn(4, 5))
+    y = graphed(backend.randn(4, 5))
+    assert repr(y).startswith("tensor(")  # the emulation's LentTensor too
+    assert isinstance(y, torch.Tensor)
+
+
 def test_outputs_takes_fresh_or_borrowed() -> None:
     with pytest.raises(ValueError, match=re.escape("`outputs` must be one of 'fresh', 'borrowed'")):
         CudaGraphModule(torch.nn.Linear(2, 2), backend="emulate", outputs="lent")  # type: ignore[arg-type]

@@ -600,6 +600,8 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         }
         if self._shapes != Static():  # the default
             fields["shapes"] = repr(self._shapes)
+        if self._options["outputs"] != "fresh":  # the default
+            fields["outputs"] = repr(self._options["outputs"])
         fields["state"] = state
         eager_calls = self._eager_calls()
         if eager_calls:

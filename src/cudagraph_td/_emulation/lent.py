@@ -60,6 +60,10 @@ _METADATA: set[Callable[..., Any]] = {
 """What reads a tensor's metadata only: allowed after the loan ends, as on CUDA."""
 
 
+_AS_PLAIN = {torch.Tensor.__reduce_ex__, torch.Tensor.__repr__, torch.Tensor.__format__}
+"""What runs on the plain tensor: ``torch.save`` and ``print`` show no subclass."""
+
+
 class LentTensor(torch.Tensor):
     """An output lent by an emulated graph (see the module's docstring)."""
 
@@ -74,7 +78,7 @@ class LentTensor(torch.Tensor):
             for t in lent:
                 if t.token.error is not None:
                     raise RuntimeError(t.token.error)
-        if func is torch.Tensor.__reduce_ex__:  # saved as the plain tensor it is
+        if func in _AS_PLAIN:  # saved and shown as the plain tensor it is on CUDA
             args = (args[0].as_subclass(torch.Tensor), *args[1:])
         with no_subclass_functions():
             out = func(*args, **kwargs)
