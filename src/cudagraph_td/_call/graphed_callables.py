@@ -76,9 +76,10 @@ def make_graphed_callables(
             own memory, as torch's function returns them (no copy), valid until the next
             replay of the same graph; any use after it, of them or of a view of them, raises
             a ``RuntimeError`` that says so (torch's reads the overwritten values). With
-            ``zero_grad(set_to_none=True)`` before each backward, a parameter's ``.grad`` is
-            the lent gradient itself; accumulating gradients over two backward passes then
-            raises: use ``"fresh"`` for that. See the docs' Borrowed outputs page.
+            ``zero_grad(set_to_none=True)`` before each backward (torch's documented loop),
+            a parameter's ``.grad`` may be the lent gradient itself; accumulating into it over
+            two backward passes then raises: accumulate with ``"fresh"``. See the docs'
+            Borrowed outputs page.
 
     Returns:
         The graphed callable (the same module, with its ``forward`` replaced, for a module),
