@@ -61,9 +61,8 @@ class GraphCall(Captured):
         # One tensor in and one out, nothing else to do: the replay path launches it itself.
         one = len(self._static_inputs) == 1 and len(outputs.static) == 1
         if one and not mutated and watch is None and views is None:
-            # Its output: a copy (a C call, no Python frame), or lent (outputs="borrowed").
-            copies = outputs.copies
-            output = outputs.static[0].clone if outputs.lent is None else copies.one  # type: ignore[attr-defined]
+            # Its output: a copy (the tensor's own `clone`, no Python frame), or lent.
+            output = outputs.static[0].clone if outputs.lent is None else outputs.copies.one
             self.one_tensor = OneTensorGraph(self._static_inputs, output, self._replay)
 
     def rows(self, signature: Signature, outputs: Outputs) -> GraphCall:

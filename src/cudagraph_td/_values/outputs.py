@@ -36,6 +36,10 @@ class Copies(Protocol):
 
     def make(self) -> list[torch.Tensor]: ...
 
+    def one(self) -> torch.Tensor:
+        """``make`` for one static tensor: the tensor itself."""
+        ...
+
 
 class FreshCopies:
     """Copies of a graph's static tensors in new memory, made at each call (see `make`).
@@ -67,6 +71,9 @@ class FreshCopies:
         # Tensors of one dtype and one shape (a step's scalar losses and metrics): stacked
         # and unbound, two calls whatever their number, instead of one view each.
         self._stacked = len(self._groups) == 1 and len({t.shape for t in static}) == 1
+
+    def one(self) -> torch.Tensor:
+        return self.static[0].clone()
 
     def make(self) -> list[torch.Tensor]:
         """Copies of the static tensors, in their order, in a new list at each call."""
