@@ -236,24 +236,28 @@ def _borrowing(
 ) -> dict[str, Callable[[], Call]]:
     """The ``cudagraph_td`` variants of ``fn`` with ``outputs="borrowed"``: called by
     ``call`` (the inputs copied in), and by ``in_place(wrapper)``, a call with the wrapper's
-    input buffers, filled once, made after the wrapper's capture."""
+    input buffers, filled once, made after the wrapper's capture. With a baseline, the same
+    two of the version before (``cudagraph_td (before), borrowed``...)."""
 
-    def borrowed() -> Call:
-        _check_lending()  # else the library returns fresh outputs, with a warning
-        return call(cudagraph_td.CudaGraphModule(fn, warmup=2, outputs="borrowed"))
+    def variants(module: Any, name: str) -> dict[str, Callable[[], Call]]:
+        def borrowed() -> Call:
+            _check_lending()  # else the library returns fresh outputs, with a warning
+            return call(module.CudaGraphModule(fn, warmup=2, outputs="borrowed"))
 
-    def borrowed_in_place() -> Call:
-        _check_lending()
-        wrapper = cudagraph_td.CudaGraphModule(fn, warmup=2, outputs="borrowed")
-        first = call(wrapper)
-        for _ in range(3):  # warmup=2: two warm-ups and the capture, whose buffers these are
-            first()
-        return in_place(wrapper)
+        def borrowed_in_place() -> Call:
+            _check_lending()
+            wrapper = module.CudaGraphModule(fn, warmup=2, outputs="borrowed")
+            first = call(wrapper)
+            for _ in range(3):  # warmup=2: two warm-ups and the capture, whose buffers these are
+                first()
+            return in_place(wrapper)
 
-    return {
-        "cudagraph_td, borrowed": borrowed,
-        "cudagraph_td, borrowed, in place": borrowed_in_place,
-    }
+        return {f"{name}, borrowed": borrowed, f"{name}, borrowed, in place": borrowed_in_place}
+
+    found = variants(cudagraph_td, "cudagraph_td")
+    if BASELINE is not None and hasattr(BASELINE.CudaGraphModule, "input_buffers"):
+        found.update(variants(BASELINE, BEFORE))
+    return found
 
 
 # (a) ---------------------------------------------------------------------------------
