@@ -4,7 +4,9 @@ On the TensorDict policy of workload c, times, interleaved: the version before t
 (benchmarks/baseline, if made), the current wrapper, the same with its state check removed,
 and each check alone. On the SAC update of workload d (``--sac``): the version before and
 the current one, the state check and the training step's watch alone, then a profile of
-the current call. On workload f (``--buckets``): a call with ``shapes=Buckets(...)`` taken
+the current call. With ``--borrowed``: the policy's call with borrowed outputs and its
+inputs in place (issue 43) taken apart, beside a bare ``replay()`` of its graph and the
+same graph's replay with its output lent by hand. On workload f (``--buckets``): a call with ``shapes=Buckets(...)`` taken
 apart, beside a floor that replays the same graphs. With ``--after``: the policy's no_grad
 replay path after other work (what workload g's taking turns costs).
 
@@ -32,6 +34,7 @@ import workloads  # noqa: E402
 from run import sync  # noqa: E402
 
 from cudagraph_td import Buckets, CudaGraphModule  # noqa: E402
+from cudagraph_td._compat import td_set  # noqa: E402
 
 EMULATE = "--emulate" in sys.argv
 DEVICE = torch.device("cpu" if EMULATE else "cuda")
@@ -295,6 +298,57 @@ def after_other_work() -> None:
         print(f"no_grad replay path, {name:40s} {statistics.median(times) * 1e6:8.3f} us")
 
 
+def borrowed() -> None:
+    """The policy's in-place call with borrowed outputs, taken apart: the graph's bare
+    ``replay()``; the replay and its output lent (`_values.borrowed.LentOutputs.one`); the
+    same with the output set into the TensorDict (the least a TensorDict call does); the
+    wrapper's call (`_capture.entry.GraphEntry.replay` alone, the whole call, the whole call
+    without the state check); and the state check alone."""
+    device = DEVICE
+    td = TensorDict(observation=torch.randn(32, 17, device=device), batch_size=[32])
+
+    def wrapper() -> tuple[Any, TensorDict, Any]:
+        graphed = CudaGraphModule(
+            workloads._policy(device),
+            backend=BACKEND,  # type: ignore[arg-type]
+            outputs="borrowed",
+        )
+        for _ in range(4):
+            graphed(td.clone())
+        (buffers,), _ = graphed.input_buffers(td)
+        buffers["observation"].copy_(td["observation"])
+        return graphed, buffers, graphed._table.entries()[0]
+
+    now, buffers, entry = wrapper()
+    stateless, stateless_buffers, stateless_entry = wrapper()
+    stateless_entry._state_holds = None  # the entry's state check removed
+    if EMULATE:  # an emulated graph's replay and loan, through its launch
+        one, lend = None, None
+    else:
+        one = entry.graph.one_tensor
+        lend = entry.graph.outputs.copies.one
+    hand = TensorDict(observation=td["observation"], batch_size=td.batch_size)
+
+    def replay_lend_set() -> None:
+        one.replay()
+        td_set(hand, "action", lend())
+
+    calls: dict[str, Any] = {}
+    if one is not None:
+        calls |= {
+            "bare replay()": one.replay,
+            "replay, output lent": lambda: (one.replay(), lend()),
+            "replay, output lent, set in the TensorDict": replay_lend_set,
+        }
+    calls |= {
+        "GraphEntry.replay alone": lambda: entry.replay((buffers,), {}),
+        "wrapper, in place, borrowed": lambda: now(buffers),
+        "the same without the state check": lambda: stateless(stateless_buffers),
+        "State.fresh alone (borrowed)": entry._state_holds,
+    }
+    _time(calls, rounds=_n(400), burst=16)
+
+
 def _call_in(graphed: Any, td: TensorDict, *, grad: bool) -> None:
     with torch.set_grad_enabled(grad):
         graphed(td)
@@ -308,10 +362,13 @@ if __name__ == "__main__":
             main()
         with torch.no_grad():  # workload f is called under no_grad
             buckets()
+        with torch.no_grad():
+            borrowed()
         with torch.enable_grad():
             after_other_work()  # last: it stubs the emulation's replays
         raise SystemExit
-    torch.set_grad_enabled("--buckets" not in sys.argv)  # workload f is called under no_grad
+    # Workload f and the borrowed policy are called under no_grad.
+    torch.set_grad_enabled("--buckets" not in sys.argv and "--borrowed" not in sys.argv)
     if "--sac" in sys.argv:
         if EMULATE:
             raise SystemExit("--sac runs on CUDA only")
@@ -320,5 +377,7 @@ if __name__ == "__main__":
         buckets()
     elif "--after" in sys.argv:
         after_other_work()
+    elif "--borrowed" in sys.argv:
+        borrowed()
     else:
         main()

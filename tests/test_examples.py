@@ -120,11 +120,12 @@ def test_the_ablation_of_the_checks_follows_the_librarys_replay_path(
     scripts: dict[str, dict[str, Any]],
 ) -> None:
     # As the test above, for benchmarks/ablate_checks.py (docs/benchmarks.md cites it): its
-    # policy, --buckets and --after parts.
+    # policy, --buckets, --borrowed and --after parts.
     out = _out(scripts, "ablate_checks")
-    assert out.count("State.fresh alone") == 2  # the policy's and the buckets'
+    assert out.count("State.fresh alone") == 3  # the policy's, the buckets' and borrowed
     assert "cycled: path alone" in out and "lookup + path" in out
     assert "after a grad-mode call" in out and "after an eager forward" in out
+    assert "the same without the state check" in out and "State.fresh alone (borrowed)" in out
 
 
 @pytest.mark.early("scripts")
