@@ -315,7 +315,7 @@ class TensorDictsClass(Actor):
 
 
 # Borrowed outputs whose wrapper was deleted, reset or captured again: each use must raise.
-ORPHANS: list[torch.Tensor] = []
+ORPHANS: list[tuple[torch.Tensor, str]] = []
 
 
 def raises_on_use(t: torch.Tensor, what: str) -> None:
@@ -343,6 +343,7 @@ class Borrowing(Actor):
         )
         self.last: torch.Tensor | None = None  # the last output, if it was lent
         self.in_place = rng.random() < 0.5
+        self.history: list[str] = []  # its last steps, for a failure's message
 
     def replays(self) -> int:
         return sum(info.replays for info in self.graphed.graphs())
@@ -354,11 +355,13 @@ class Borrowing(Actor):
         if roll < 0.05:  # reset: every graph gone, its last output with it
             self.graphed.reset()
             if self.last is not None:
-                ORPHANS.append(self.last)
+                ORPHANS.append((self.last, f"{self.kind}: the last output before a reset"))
             self.last = None
+            self.history.append("reset")
         elif roll < 0.1:  # a replaced parameter: a new capture; the old graph's output stays
             self.net[0].weight = nn.Parameter(self.net[0].weight.detach().clone())
             same_graphs = False
+            self.history.append("parameter replaced")
         before = self.replays()
         with torch.no_grad():
             got = None
@@ -370,19 +373,24 @@ class Borrowing(Actor):
                 else:
                     buffer.copy_(x)
                     got = self.graphed(buffer)
+                    self.history.append(f"in place {tuple(x.shape)}")
             if got is None:
                 got = self.graphed(x)
+                self.history.append(f"call {tuple(x.shape)}")
             close(got, self.net(x), self.kind)
         lent = self.replays() > before
+        self.history[-1] += f" (lent: {lent}, replays {before} -> {self.replays()})"
+        del self.history[:-8]
         previous, self.last = self.last, got if lent else None
         if lent and same_graphs and previous is not None and previous.shape == got.shape:
-            raises_on_use(previous, self.kind)  # its graph replayed since
+            # its graph replayed since
+            raises_on_use(previous, f"{self.kind}: steps {'; '.join(self.history)}")
         while ORPHANS:
-            raises_on_use(ORPHANS.pop(), self.kind)
+            raises_on_use(*ORPHANS.pop())
 
     def __del__(self) -> None:
         if self.last is not None:
-            ORPHANS.append(self.last)
+            ORPHANS.append((self.last, f"{self.kind}: the last output of a deleted wrapper"))
 
 
 MAKERS: dict[str, Callable[[random.Random], Actor]] = {

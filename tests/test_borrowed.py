@@ -293,6 +293,40 @@ def test_an_output_of_a_graph_that_is_gone_raises(backend: Backend, end: str) ->
             t.sum()
 
 
+@pytest.mark.parametrize("end", ["reset", "deleted", "captured again"])
+@pytest.mark.parametrize("shapes", ["static", "exact"])
+def test_a_graph_still_held_elsewhere_ends_its_loans_when_it_goes(
+    backend: Backend, end: str, shapes: str
+) -> None:
+    # Something else holds the graph (here the wrapper's table entries; in a soak, a
+    # reference cycle that the garbage collector had not reached yet): its last outputs are
+    # unreadable as soon as it goes, not when it is collected. The collector stays off.
+    net = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    net = net.to(backend.device)
+    graphed = backend.wrap(net, outputs="borrowed", shapes=shapes)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.no_grad():
+            _warm(graphed, lambda: backend.randn(4, 5))
+            y = graphed(backend.randn(4, 5))
+            held = graphed._table.entries()
+            assert held
+            if end == "reset":
+                graphed.reset()
+            elif end == "deleted":
+                del graphed
+            else:  # a replaced parameter: the next call captures again (warned)
+                net[0].weight = torch.nn.Parameter(net[0].weight.detach().clone())
+                with pytest.warns(UserWarning, match="captured again"):
+                    graphed(backend.randn(4, 5))
+        with pytest.raises(RuntimeError, match=GONE):
+            y.sum()
+    finally:
+        if collecting:
+            gc.enable()
+
+
 @torch.no_grad()
 def test_fresh_outputs_are_unchanged_by_the_option(backend: Backend) -> None:
     net = torch.nn.Linear(5, 3).to(backend.device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Mapping
@@ -415,9 +416,23 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
     def reset(self) -> None:
         """Drop the captured graphs and their buffers, and the counts of calls that ran
         eagerly; the next call starts the warm-up again."""
+        self._release()
         self._graphs.clear()
         self._overflows.clear()
         self._table.clear()
+
+    def _release(self) -> None:
+        """Its graphs go: with ``outputs="borrowed"``, the outputs their last replays lent
+        are made unreadable now, not when the graphs are collected (a reference to one
+        elsewhere would put that off)."""
+        for graphs in self._graphs.values():
+            graphs.release()
+
+    def __del__(self) -> None:
+        # At the interpreter's exit, or for a wrapper whose __init__ failed, there may be
+        # nothing left to release.
+        with contextlib.suppress(Exception):
+            self._release()
 
     @property
     def is_captured(self) -> bool:

@@ -204,6 +204,13 @@ class DifferentiableCall(Captured):
             self._no_backward()
         return outputs  # type: ignore[no-any-return]
 
+    def end_loans(self) -> None:
+        """`Captured.end_loans`, and the gradients' lease (``outputs="borrowed"``)."""
+        super().end_loans()
+        lease = getattr(self.fresh_grads, "lease", None)
+        if lease is not None:
+            lease.end()
+
     def _no_backward(self) -> None:
         """The hint, once, that a graph replayed for autograd never ran its backward: in grad
         mode only (a forward under `torch.no_grad()` builds no autograd graph)."""

@@ -79,6 +79,14 @@ class Captured:
         self.input_views = views
         self._touches_inputs = bool(mutated) or views is not None
 
+    def end_loans(self) -> None:
+        """The graph goes (a reset, a new capture, its wrapper deleted): what its last replay
+        lent (``outputs="borrowed"``) made unreadable now, whatever still holds the graph.
+        Its lease would do it when collected, which a reference elsewhere can put off."""
+        lease = getattr(self.outputs.copies, "lease", None)
+        if lease is not None:
+            lease.end()
+
     def _launch_writing(
         self, tensors: Sequence[torch.Tensor], ungraded: tuple[str, ...] = ()
     ) -> Sequence[torch.Tensor]:

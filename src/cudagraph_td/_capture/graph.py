@@ -248,6 +248,12 @@ class GraphRunner:
         self.captured: _captured.Captured | None = None
         self.label = name  # what log records call its graph (set by its `Graphs`)
 
+    def release(self) -> None:
+        """Its graph goes (a reset, the wrapper deleted): its loans end now (see
+        `_capture.captured.Captured.end_loans`)."""
+        if self.captured is not None:
+            self.captured.end_loans()
+
     def skip_warmup(self) -> None:
         """Capture at the next call: another graph's warm-ups did the lazy initialisations."""
         self.counter = max(self.counter, self.warmup - 1)
@@ -260,6 +266,7 @@ class GraphRunner:
             # State the graph reads was replaced: a new capture, from the warm-up (a
             # RecaptureWarning turned into an error refuses it, and the graph stays as it was).
             _log.recapturing(self.label, state.recapture(self.name))
+            self.captured.end_loans()  # the old graph's last outputs, whatever still holds it
             self.captured = self.backend = None
             self.counter = 0
         if self.make_backend is None:  # no CUDA: eager calls, capturable optimizers allowed

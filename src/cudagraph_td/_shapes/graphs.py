@@ -118,6 +118,11 @@ class Graphs:
         runner = self.runners.get(None) if isinstance(self.options, Static) else None
         return None if runner is None else runner.captured
 
+    def release(self) -> None:
+        """Its graphs go (a reset, the wrapper deleted): their loans end now."""
+        for runner in self.runners.values():
+            runner.release()
+
     def captured_any(self) -> bool:
         return any(runner.captured is not None for runner in self.runners.values())
 
