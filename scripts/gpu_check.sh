@@ -101,7 +101,9 @@ fi
 if [ "${LEANRL_SCRIPTS:-0}" = 1 ]; then
   # LeanRL's own TD3 and SAC scripts on HalfCheetah-v4 (benchmarks/leanrl_scripts.py):
   # tensordict's class, cudagraph_td's, cudagraph_td's with borrowed outputs, 3 runs each,
-  # a fresh process a run (about 6 minutes on an H100 with these settings: 15 of the 18 runs took 300 s). Needs .leanrl/
+  # a fresh process a run (on an H100 with these settings: 203 s for TD3 alone and 176 s for
+  # SAC alone, each in a call of its own with LEANRL_SCRIPTS_ARGS="--scripts td3 ...", which
+  # keeps each call under a 600 s limit). Needs .leanrl/
   # and .whl-leanrl/ from scripts/fetch_leanrl.sh, in a site directory of their own (its
   # numpy<2 and gymnasium 0.29 ahead of whatever torch's environment has).
   if compgen -G ".whl-leanrl/*.whl" > /dev/null && [ -d .leanrl ]; then

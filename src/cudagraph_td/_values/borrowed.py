@@ -8,9 +8,10 @@ allocation but the tensors' own. Each replay lends its tensors over storages of 
 replay before it lent unreadable (`_compat.forbid_access`): every later use of those
 outputs, or of any view of them, raises an error that names the wrapper, the replay that
 overwrote them and the fix. A graph's ``Lease`` holds what its last replay lent; when the
-graph goes (a reset, a new capture, the wrapper deleted or collected), the lease ends and
-makes those unreadable too, before the graph's memory can be freed: never a stale read,
-never a read of freed memory.
+graph goes (a reset, a new capture, the wrapper deleted), the lease ends and makes those
+unreadable too (`_capture.captured.Captured.end_loans`, called by whoever drops the graph,
+whatever else still holds it; and when the lease is collected, for a graph that no wrapper
+drops): never a stale read, never a read of freed memory.
 
 This module lends CUDA memory (``LentOutputs``); the CPU emulation lends its own way, with
 the same ``Lease`` (`_emulation.lent`).
