@@ -7,10 +7,13 @@ that raises an error that names the wrapper and the fix, on both backends.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import io
+import random
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -322,6 +325,66 @@ def test_a_graph_still_held_elsewhere_ends_its_loans_when_it_goes(
                     graphed(backend.randn(4, 5))
         with pytest.raises(RuntimeError, match=GONE):
             y.sum()
+    finally:
+        if collecting:
+            gc.enable()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_random_run_keeps_every_loan_honest(backend: Backend, seed: int) -> None:
+    # A sequence a real run makes, drawn at random (as scripts/soak.py draws it on CUDA):
+    # calls of two shapes, some with the input buffers, resets and replaced parameters (new
+    # captures), the garbage collector off. Every output is eager's; the previous output
+    # of the graph that replayed raises; so does the last output before a reset, at once.
+    rng = random.Random(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    net = net.to(backend.device)
+    graphed = backend.wrap(net, outputs="borrowed", shapes="exact", warmup=rng.choice([1, 2]))
+    last: dict[int, torch.Tensor] = {}  # the last lent output of each graph, by its rows
+    ending: dict[int, torch.Tensor] = {}  # those of graphs that the next call captures again
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(40):
+            rows = rng.choice([4, 8])
+            roll = rng.random()
+            if roll < 0.1:  # every graph goes, and with them their last outputs
+                graphed.reset()
+                for gone in (*last.values(), *ending.values()):
+                    with pytest.raises(RuntimeError, match=GONE):
+                        gone.sum()
+                last.clear()
+                ending.clear()
+            elif roll < 0.2:  # a replaced parameter: each graph is captured again (warned)
+                net[0].weight = torch.nn.Parameter(net[0].weight.detach().clone())
+                ending.update(last)  # each ends when its graph is captured again
+                last.clear()
+            x = backend.randn(rows, 5)
+            before = sum(info.replays for info in graphed.graphs())
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # the recaptures' warnings
+                buffers = None
+                if rng.random() < 0.3:
+                    with contextlib.suppress(RuntimeError, ValueError):  # none of this shape yet
+                        (buffers,), _ = graphed.input_buffers(x)
+                if buffers is not None:
+                    buffers.copy_(x)
+                    y = graphed(buffers)
+                else:
+                    y = graphed(x)
+                torch.testing.assert_close(y, net(x))
+            gone = ending.pop(rows, None)
+            if gone is not None:  # this call captured its graph again
+                with pytest.raises(RuntimeError, match=GONE):
+                    gone.sum()
+            replayed = sum(info.replays for info in graphed.graphs()) > before
+            previous = last.pop(rows, None)
+            if replayed:
+                if previous is not None:
+                    with pytest.raises(RuntimeError, match=OVERWRITTEN):
+                        previous.sum()
+                last[rows] = y
+            backend.sync()
     finally:
         if collecting:
             gc.enable()
