@@ -14,6 +14,7 @@ import io
 import random
 import re
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -325,6 +326,43 @@ def test_a_graph_still_held_elsewhere_ends_its_loans_when_it_goes(
                     graphed(backend.randn(4, 5))
         with pytest.raises(RuntimeError, match=GONE):
             y.sum()
+    finally:
+        if collecting:
+            gc.enable()
+
+
+@pytest.mark.parametrize("end", ["reset", "deleted"])
+def test_borrowing_graphs_are_freed_without_the_garbage_collector(
+    backend: Backend, end: str
+) -> None:
+    # With borrowed outputs, two shapes and the input buffers handed out, no reference
+    # cycle keeps a graph alive once it goes: the collector off, its captured call is freed
+    # at once, and its last output raises.
+    net = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    net = net.to(backend.device)
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        graphed = backend.wrap(net, outputs="borrowed", shapes="exact")
+        with torch.no_grad():
+            outputs = []
+            for rows in (4, 8):
+                _warm(graphed, lambda rows=rows: backend.randn(rows, 5))
+                (buffers,), _ = graphed.input_buffers(backend.randn(rows, 5))
+                buffers.copy_(backend.randn(rows, 5))
+                outputs.append(graphed(buffers))
+            calls = [weakref.ref(entry.graph) for entry in graphed._table.entries()]
+            assert len(calls) == 2 and all(call() is not None for call in calls)
+            del buffers
+        if end == "reset":
+            graphed.reset()
+        else:
+            del graphed
+        assert [call() for call in calls] == [None, None]
+        for y in outputs:
+            with pytest.raises(RuntimeError, match=GONE):
+                y.sum()
     finally:
         if collecting:
             gc.enable()
