@@ -22,6 +22,7 @@ from .._errors import log as _log
 from .._state.state import State
 from .._values import tree as _tree
 from .._values.aliasing import versions, written
+from .._values.borrowed import end_loan
 from .._values.input_views import InputViews
 from .._values.outputs import FreshCopies, Outputs
 from .._values.signature import Signature
@@ -207,9 +208,7 @@ class DifferentiableCall(Captured):
     def end_loans(self) -> None:
         """`Captured.end_loans`, and the gradients' lease (``outputs="borrowed"``)."""
         super().end_loans()
-        lease = getattr(self.fresh_grads, "lease", None)
-        if lease is not None:
-            lease.end()
+        end_loan(self.fresh_grads)
 
     def _no_backward(self) -> None:
         """The hint, once, that a graph replayed for autograd never ran its backward: in grad

@@ -17,6 +17,7 @@ import torch
 
 from .._state.state import State
 from .._values.aliasing import WrittenInputs
+from .._values.borrowed import end_loan
 from .._values.input_views import InputViews, into_callers
 from .._values.outputs import Outputs
 from .._values.signature import Signature
@@ -83,9 +84,7 @@ class Captured:
         """The graph goes (a reset, a new capture, its wrapper deleted): what its last replay
         lent (``outputs="borrowed"``) made unreadable now, whatever still holds the graph.
         Its lease would do it when collected, which a reference elsewhere can put off."""
-        lease = getattr(self.outputs.copies, "lease", None)
-        if lease is not None:
-            lease.end()
+        end_loan(self.outputs.copies)
 
     def _launch_writing(
         self, tensors: Sequence[torch.Tensor], ungraded: tuple[str, ...] = ()

@@ -68,6 +68,14 @@ class Lease:
             self.end()
 
 
+def end_loan(copies: Any) -> None:
+    """End the loan of what ``copies`` returns (`LentOutputs`, the emulation's), if it lends:
+    its graph goes (see `_capture.captured.Captured.end_loans`). Fresh copies lend nothing."""
+    lease = getattr(copies, "lease", None)
+    if lease is not None:
+        lease.end()
+
+
 # A tensor's place in the memory it is lent from: its storage's index, its layout.
 _Place = tuple[int, dict[str, Any]]
 
