@@ -49,8 +49,6 @@ class GraphTable:
         self._static = static
         self._mode = mode_reader(module)  # the call's mode, read at every call
         self._entries: dict[CallKey, tuple[GraphEntry, ...]] = {}
-        if not by_shapes and static is None:  # the commonest key, the mode alone: one call fewer
-            self.find = _find_by_mode(self._entries, self._mode)  # type: ignore[method-assign]
 
     def key(self, args: Args, kwargs: Kwargs, mode: Mode | None = None) -> CallKey:
         """The key of a call now (``mode``: the call's, if known already)."""
@@ -80,13 +78,11 @@ class GraphTable:
         if known and known[0] is entry:
             return
         if any(not e.alive() for entries in self._entries.values() for e in entries):
-            kept = {
+            self._entries = {
                 k: live
                 for k, entries in self._entries.items()
                 if (live := tuple(e for e in entries if e.alive()))
             }
-            self._entries.clear()  # the same dict: `find` may hold it (see `_find_by_mode`)
-            self._entries.update(kept)
             known = self._entries.get(key, ())
         rest = tuple(e for e in known if e is not entry)
         self._entries[key] = (entry, *rest)[:ENTRIES_PER_KEY]
@@ -97,16 +93,3 @@ class GraphTable:
     def entries(self) -> list[GraphEntry]:
         """Every entry in the table, once each (for introspection and tests)."""
         return list({id(e): e for entries in self._entries.values() for e in entries}.values())
-
-
-def _find_by_mode(entries: dict[CallKey, tuple[GraphEntry, ...]], mode: Any) -> Any:
-    """``GraphTable.find`` where a call's key is its mode: a closure over the table's dict and
-    its mode reader (no reference to the table, so no cycle)."""
-
-    def find(args: Args, kwargs: Kwargs) -> tuple[GraphEntry, ...]:
-        try:
-            return entries.get(mode(), ())
-        except TypeError:  # a mode that is not hashable (a `training` attribute of another type)
-            return ()
-
-    return find

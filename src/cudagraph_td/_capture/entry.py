@@ -181,7 +181,7 @@ class GraphEntry:
         self.replays += 1
         if td is not None:  # its one out_key set here (see `IntoTensorDict.write`)
             device = td.device
-            if device is None or device is self._td_device or device == self._td_device:
+            if device is None or device == self._td_device:
                 td_set(td, self._td_out, fresh[0])
             else:
                 td[self._td_out] = fresh[0]

@@ -26,6 +26,7 @@ from .._state import training as _training
 from .._state.state import Flags, State
 from .._values import tree as _tree
 from .._values.aliasing import versions, written
+from .._values.borrowed import lease_of
 from .._values.input_views import InputViews, ReturnedTensorDicts, tensordicts_before
 from .._values.outputs import Outputs
 from .._values.signature import Signature, validate
@@ -305,7 +306,7 @@ class GraphRunner:
         self.counter += 1
         if isinstance(captured, DifferentiableCall):
             captured.label = self.label  # for its hint (see `_errors.log.no_backward`)
-        lease = getattr(captured.outputs.copies, "lease", None)
+        lease = lease_of(captured.outputs.copies)
         if lease is not None:  # outputs="borrowed": errors name the graph as log records do
             lease.label = self.label
         if logged:

@@ -35,7 +35,7 @@ class Lease:
 
     ``forbid(held, message)`` makes one held thing unreadable: a CUDA storage, or the
     emulation's token. ``label`` names the graph in messages (set by its runner). ``held``:
-    what the last replay lent (`LentOutputs.one` renews it itself).
+    what the last replay lent.
     """
 
     def __init__(self, label: str, forbid: Callable[[Any, str], None] = forbid_access):
@@ -68,10 +68,16 @@ class Lease:
             self.end()
 
 
+def lease_of(copies: Any) -> Lease | None:
+    """The lease of what returns a graph's outputs (`LentOutputs`, the emulation's); None for
+    fresh copies, which lend nothing."""
+    return getattr(copies, "lease", None)
+
+
 def end_loan(copies: Any) -> None:
-    """End the loan of what ``copies`` returns (`LentOutputs`, the emulation's), if it lends:
-    its graph goes (see `_capture.captured.Captured.end_loans`). Fresh copies lend nothing."""
-    lease = getattr(copies, "lease", None)
+    """End the loan of what ``copies`` returns, if it lends: its graph goes (see
+    `_capture.captured.Captured.end_loans`)."""
+    lease = lease_of(copies)
     if lease is not None:
         lease.end()
 
@@ -132,15 +138,7 @@ class LentOutputs:
         return [cuda_tensor_over(layout, storages[i]) for i, layout in self._places]
 
     def one(self) -> torch.Tensor:
-        """``make`` for one output: the tensor itself, its loan made here (``Lease.renew``
-        written out: two Python calls fewer on the replay path)."""
+        """``make`` for one output: the tensor itself."""
         storage = storage_over(*self._where)  # type: ignore[misc]
-        lease = self.lease
-        lease.replays += 1
-        held = lease.held
-        lease.held = (storage,)
-        if held:  # what the lease's last replay lent: this output's, or a bucket's rows'
-            message = _errors.overwritten(lease.label, lease.replays)
-            for each in held:
-                forbid_access(each, message)
+        self.lease.renew((storage,))
         return cuda_tensor_over(self._layout, storage)  # type: ignore[arg-type]
