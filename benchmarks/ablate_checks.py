@@ -34,7 +34,7 @@ import workloads  # noqa: E402
 from run import sync  # noqa: E402
 
 from cudagraph_td import Buckets, CudaGraphModule  # noqa: E402
-from cudagraph_td._compat import td_set  # noqa: E402
+from cudagraph_td._compat import td_entries, td_set  # noqa: E402
 
 EMULATE = "--emulate" in sys.argv
 DEVICE = torch.device("cpu" if EMULATE else "cuda")
@@ -303,7 +303,8 @@ def borrowed() -> None:
     ``replay()``; the replay and its output lent (`_values.borrowed.LentOutputs.one`); the
     same with the output set into the TensorDict (the least a TensorDict call does); the
     wrapper's call (`_capture.entry.GraphEntry.replay` alone, the whole call, the whole call
-    without the state check); and the state check alone."""
+    without the state check); the state check alone; and on CUDA, the whole call with its
+    loan renewed in place (`_renewing`, a prototype), with and without the state check."""
     device = DEVICE
     td = TensorDict(observation=torch.randn(32, 17, device=device), batch_size=[32])
 
@@ -322,6 +323,9 @@ def borrowed() -> None:
     now, buffers, entry = wrapper()
     stateless, stateless_buffers, stateless_entry = wrapper()
     stateless_entry._state_holds = None  # the entry's state check removed
+    renewing, renewing_buffers, renewing_entry = wrapper()
+    bare, bare_buffers, bare_entry = wrapper()  # renewing, and no state check
+    bare_entry._state_holds = None
     if EMULATE:  # an emulated graph's replay and loan, through its launch
         one, lend = None, None
     else:
@@ -346,7 +350,45 @@ def borrowed() -> None:
         "the same without the state check": lambda: stateless(stateless_buffers),
         "State.fresh alone (borrowed)": entry._state_holds,
     }
+    if one is not None:  # the prototype of a loan renewed in place (see `_renewing`)
+        renewing_entry._one_output = _renewing(renewing_entry, renewing_buffers)
+        bare_entry._one_output = _renewing(bare_entry, bare_buffers)
+        calls |= {
+            "wrapper, loan renewed in place": lambda: renewing(renewing_buffers),
+            "loan renewed, no state check": lambda: bare(bare_buffers),
+        }
     _time(calls, rounds=_n(400), burst=16)
+
+
+def _renewing(entry: Any, td: TensorDict) -> Any:
+    """A prototype, not in the library: the entry's one output lent again as the same tensor
+    when nothing but ``td``'s ``"action"`` entry holds the previous one (no reference, no
+    view, no C++ holder, the same layout): no new storage, tensor or error message. What a
+    loan could save at best, for an in-place call whose caller drops its outputs."""
+    copies = entry.graph.outputs.copies
+    lend, held = copies.one, {}
+    refs, storage_users = sys.getrefcount, torch._C._storage_Use_Count
+
+    def one() -> torch.Tensor:
+        previous = held.get("tensor")
+        if previous is not None:
+            holders = 4 if td_entries(td).get("action") is previous else 3
+            if (
+                refs(previous) == holders
+                and previous._use_count() == 1
+                and storage_users(held["storage"]._cdata) == 2
+                and (previous.shape, previous.stride(), previous.storage_offset()) == held["layout"]
+            ):
+                return previous
+        lent = lend()
+        held.update(
+            tensor=lent,
+            storage=copies.lease.held[0],
+            layout=(lent.shape, lent.stride(), lent.storage_offset()),
+        )
+        return lent
+
+    return one
 
 
 def _call_in(graphed: Any, td: TensorDict, *, grad: bool) -> None:
