@@ -238,6 +238,8 @@ def _uses(backend: Backend) -> dict[str, Callable[[torch.Tensor], Any]]:
         ".cpu()": lambda y: y.cpu(),
         "print": lambda y: print(y),
         "torch.save": lambda y: torch.save(y, io.BytesIO()),
+        ".tolist()": lambda y: y.tolist(),
+        "a DLPack export": lambda y: torch.from_dlpack(y),
         "another wrapper's input": lambda y: other(y),
         "autograd": lambda y: (y * weight).sum().backward(),
     }
@@ -253,6 +255,8 @@ def _uses(backend: Backend) -> dict[str, Callable[[torch.Tensor], Any]]:
         ".cpu()",
         "print",
         "torch.save",
+        ".tolist()",
+        "a DLPack export",
         "another wrapper's input",
         "autograd",
     ],
