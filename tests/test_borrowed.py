@@ -13,6 +13,7 @@ import gc
 import io
 import random
 import re
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -276,6 +277,29 @@ def test_every_use_after_overwrite_raises(backend: Backend, use: str) -> None:
             view.sum()
         else:
             act(y)
+        backend.sync()
+
+
+def test_another_threads_call_overwrites_a_borrowed_output(backend: Backend) -> None:
+    # "The next replay" is the next one by any caller: a wrapper shared by threads.
+    net, graphed = _policy(backend)
+    with torch.no_grad():
+        _warm(graphed, lambda: backend.randn(4, 5))
+        x, other = backend.randn(4, 5), backend.randn(4, 5)
+        y = graphed(x)
+        torch.testing.assert_close(y, net(x))  # valid until the next replay
+
+        def call() -> None:
+            with torch.no_grad():
+                theirs.append(graphed(other).clone())
+
+        theirs: list[torch.Tensor] = []
+        thread = threading.Thread(target=call)
+        thread.start()
+        thread.join()
+        torch.testing.assert_close(theirs[0], net(other))
+    with pytest.raises(RuntimeError, match=OVERWRITTEN):
+        y.sum()
         backend.sync()
 
 
