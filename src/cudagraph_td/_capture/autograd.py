@@ -374,10 +374,13 @@ class Capture:
         # On CUDA the recorded outputs carry the autograd graph; the emulation's are buffers.
         if self.params is None:  # no warm-up: the recorded outputs tell
             self._keep_example(static_out, self.signature.static_inputs)
-        self.outputs = Outputs(self.name, static_out, self.backend.device, allow_grad=True)
-        lent = self.backend.lend(self.name)
-        if lent is not None:  # outputs="borrowed"
-            self.outputs.lend(lent)
+        self.outputs = Outputs(
+            self.name,
+            static_out,
+            self.backend.device,
+            allow_grad=True,
+            lent=self.backend.lend(self.name),
+        )
         self.fwd_graph, self.saved = graph, saved
 
     def capture_backward(self, state: State | None = None) -> DifferentiableCall:

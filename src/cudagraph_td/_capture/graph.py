@@ -70,12 +70,11 @@ class GraphCall(Captured):
         """This graph replayed on fewer rows: ``signature``'s static inputs and ``outputs``'
         static tensors are views of the first rows of this graph's (a bucket's graph).
 
-        Its outputs are all copies: a bucket's graph that returns an input or a view of one
+        Its outputs are all computed ones, copied or lent under this graph's lease (see
+        `_values.outputs.Outputs`): a bucket's graph that returns an input or a view of one
         is refused at its capture (see `_shapes.buckets`).
         """
         mutated = self._writes.indices
-        if self.outputs.lent is not None:  # lent under this graph's lease
-            outputs.lend(self.outputs.lent)
         return GraphCall(signature, self.graph, outputs, mutated, self._watch, self.state)
 
     def launch(
@@ -167,10 +166,7 @@ def capture(
     # keeps the eager run's.
     if not backend.reruns_python:
         mutated = written(signature.static_inputs, static_versions)
-    outputs = Outputs(name, static_out, backend.device)
-    lent = backend.lend(name)
-    if lent is not None:  # outputs="borrowed"
-        outputs.lend(lent)
+    outputs = Outputs(name, static_out, backend.device, lent=backend.lend(name))
     watch = observed.watch(name)
     if watch is not None and backend.reruns_python:
         graph = _training.PinnedGrads(graph, watch)

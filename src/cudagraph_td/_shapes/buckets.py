@@ -178,7 +178,9 @@ class BucketGraphs(Graphs):
         rows_signature = Signature(self.name, args, kwargs, device, static_inputs=heads)
         outputs = captured.outputs
         result = _padding.rows(self.name, outputs.rebuild(outputs.static), size, batch)
-        view = captured.rows(rows_signature, Outputs(self.name, result, outputs.device))
+        # The rows' outputs lent under the bucket graph's lease, with outputs="borrowed".
+        rows_outputs = Outputs(self.name, result, outputs.device, lent=outputs.lent)
+        view = captured.rows(rows_signature, rows_outputs)
         routes = self._routes(view.signature, view.outputs)
         self._forget_replaced()
         entry = GraphEntry(size, view, routes, runner, captured, _numel(batch), _numel(size))

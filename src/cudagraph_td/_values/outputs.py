@@ -96,9 +96,19 @@ class FreshCopies:
 
 
 class Outputs:
-    """How to turn the graph's static outputs into a result in fresh memory."""
+    """How to turn the graph's static outputs into a result: in fresh memory, or lent by
+    ``lent`` (``outputs="borrowed"``: what lends tensors over them, see `_values.borrowed`,
+    under the lease of the graph they are the outputs of)."""
 
-    def __init__(self, name: str, out: Any, device: torch.device, *, allow_grad: bool = False):
+    def __init__(
+        self,
+        name: str,
+        out: Any,
+        device: torch.device,
+        *,
+        allow_grad: bool = False,
+        lent: Callable[[list[torch.Tensor]], Copies] | None = None,
+    ):
         leaves, self.spec = _tree.flatten(out)
         paths = _tree.leaf_paths(out, root="output")
         self.tensor_index = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
@@ -113,20 +123,13 @@ class Outputs:
         self.template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         self.single_tensor = self.spec.is_leaf() and bool(static)
         self.all_tensors = len(static) == len(leaves)
-        self.copies: Copies = FreshCopies(static, device)
-        # With outputs="borrowed": what lends tensors over the graph's static outputs (see
-        # `_values.borrowed`), one lease per graph; None: copies in fresh memory.
-        self.lent: Callable[[list[torch.Tensor]], Copies] | None = None
+        self.lent = lent
+        self.copies = self.copier(static)
         # A result of TensorDicts and tensors: built without optree (see `TensorDictResult`).
         self.tensordicts = TensorDictResult.of(out) if self.all_tensors else None
         # Other results are rebuilt by optree, which lists a TensorDict's keys sorted: the
         # order the function set them in, where it is another, is given back after.
         self.key_orders = _tree.key_orders(out) if self.tensordicts is None else None
-
-    def lend(self, lent: Callable[[list[torch.Tensor]], Copies]) -> None:
-        """Return the outputs lent by ``lent`` (``outputs="borrowed"``), not copied."""
-        self.lent = lent
-        self.copies = lent(self.static)
 
     def copier(self, static: list[torch.Tensor]) -> Copies:
         """What returns ``static`` (some of the static outputs) at each call: copies in fresh
