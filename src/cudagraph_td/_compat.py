@@ -174,6 +174,11 @@ def forbid_access(storage: torch.UntypedStorage, message: str) -> None:
     _forbid_access(storage._cdata, message)
 
 
+parse_to: Callable[..., tuple[Any, ...]] = torch._C._nn._parse_to
+"""The ``(device, dtype, non_blocking, memory_format)`` that ``Tensor.to``'s arguments name
+(``torch._C._nn._parse_to``): the emulation's lent outputs tell a copy to the host by it
+(see `_emulation.lent`). Checked (torch 2.11, 2.13)."""
+
 no_subclass_functions: Callable[[], Any] = torch._C.DisableTorchFunctionSubclass
 """A context in which a tensor subclass's ``__torch_function__`` is not called
 (``torch._C.DisableTorchFunctionSubclass``): the emulation's lent outputs run torch's own

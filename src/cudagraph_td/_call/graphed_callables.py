@@ -161,8 +161,10 @@ def make_graphed_callables(
         for (args, kwargs), graph_backend, in_pool in zip(each, backends, in_pools, strict=False):
             signature = Signature(name, args, kwargs, device, allow_grad=True)
             capture = Capture(name, forward, signature, graph_backend, [], allow_unused_input)
-            # The emulation builds its static buffers from an eager result: it needs one run.
-            capture.warmup(num_warmup_iters if backend == "cuda" else max(1, num_warmup_iters))
+            # The emulation builds its static buffers from an eager result, and lent outputs
+            # their own memory (see `_capture.backend`): they need one run.
+            eager_run = backend == "emulate" or borrow
+            capture.warmup(max(1, num_warmup_iters) if eager_run else num_warmup_iters)
             in_pool.append((i, capture))
     calls: list[list[DifferentiableCall]] = [[] for _ in callables]  # in the shapes' order
     for in_pool in in_pools:

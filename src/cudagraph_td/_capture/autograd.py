@@ -163,7 +163,7 @@ class DifferentiableCall(Captured):
         computed = [g for g in grad_inputs if g is not None]
         device = computed[0].device if computed else torch.device("cpu")
         # The gradients lent too, under the backward graph's own lease (outputs="borrowed").
-        lend_grads = capture.backend.lend(f"{capture.name}'s backward")
+        lend_grads = capture.backend.lend_gradients(f"{capture.name}'s backward", self.params)
         self.fresh_grads = (
             FreshCopies(computed, device) if lend_grads is None else lend_grads(computed)
         )
@@ -371,9 +371,10 @@ class Capture:
 
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             graph, static_out = self._capture("forward", self._run_forward, self.example)
-        # On CUDA the recorded outputs carry the autograd graph; the emulation's are buffers.
+        # The outputs of the recorded run carry the autograd graph (the static outputs may be
+        # buffers: the emulation's, or lent ones' own memory).
         if self.params is None:  # no warm-up: the recorded outputs tell
-            self._keep_example(static_out, self.signature.static_inputs)
+            self._keep_example(self._latest, self.signature.static_inputs)
         self.outputs = Outputs(
             self.name,
             static_out,

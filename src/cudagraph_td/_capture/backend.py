@@ -122,6 +122,10 @@ class Backend(Protocol):
         """What lends the outputs of a graph it captures, under one lease for that graph
         (see `_values.borrowed`); None: outputs copied into fresh memory."""
 
+    def lend_gradients(self, label: str, leaves: list[torch.Tensor]) -> Lend | None:
+        """``lend`` for the gradients of a backward graph, which autograd may take into the
+        ``.grad`` of ``leaves`` (the parameters it differentiates)."""
+
     def warmup(self, fn: Callable[[], T]) -> T: ...
 
     def for_autograd(self) -> Backend:
@@ -210,6 +214,9 @@ class CudaBackend:
         lease = Lease(label)
         return lambda static: LentOutputs(static, lease)
 
+    def lend_gradients(self, label: str, leaves: list[torch.Tensor]) -> Lend | None:
+        return self.lend(label)
+
     def warmup(self, fn: Callable[[], T]) -> T:
         # The warm-up uses the shared workspace eagerly: after every replay on the device,
         # and before any later one (the caller's stream waits for it, and is the device's
@@ -243,6 +250,8 @@ class CudaBackend:
             pool = self.pool.handle(self.device)
         else:
             pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
+        if self.borrow:  # lent outputs in memory that no other graph's replay writes
+            fn = _into_own_memory(fn, like, self.device)
         try:
             with torch.cuda.stream(self._stream), _no_autocast_cache():
                 # The graph records the workspace's address: one of the library's own, never
@@ -286,6 +295,53 @@ class CudaBackend:
             _one_node_graph(self.device)  # clears the generator's mark
         if torch.cuda.is_current_stream_capturing():  # pragma: no cover - driver failure
             raise RuntimeError("cudagraph_td could not end a failed capture")
+
+
+def _into_own_memory(fn: Callable[[], T], like: T, device: torch.device) -> Callable[[], T]:
+    """``fn``, whose output tensors on ``device`` are copied, as its graph's last kernels,
+    into memory of their own, allocated now (before the capture) outside every graph pool.
+
+    A graph's outputs lie in its pool, in memory that the graphs captured into the pool
+    before it used as scratch and write again at each of their replays (a wrapper's shapes,
+    buckets and modes, `make_graphed_callables` over several callables, a ``pool=`` shared by
+    wrappers). Fresh outputs are copied out right after their own replay, so that does not
+    matter; lent ones (``outputs="borrowed"``) must stay valid until their own graph's next
+    replay, whichever graph replays meanwhile: each is a copy, made inside the graph (no
+    host cost at a replay), into memory that only this graph writes. ``like`` is an eager
+    result of ``fn``: the outputs' shapes and dtypes.
+    """
+    assert like is not None, "a lent graph's outputs are allocated from an eager result"
+    leaves, _ = _tree.flatten(like)
+    with torch.no_grad():
+        own = [
+            torch.empty_like(leaf)
+            if isinstance(leaf, torch.Tensor) and leaf.device == device
+            else None
+            for leaf in leaves
+        ]
+
+    def run() -> T:
+        out = fn()
+        leaves, spec = _tree.flatten(out)
+        if len(leaves) != len(own):  # pragma: no cover - the same Python, the same outputs
+            raise RuntimeError("cudagraph_td: the captured call returned another tree")
+        targets, sources = [], []
+        for i, (mine, leaf) in enumerate(zip(own, leaves, strict=True)):
+            if mine is None or not isinstance(leaf, torch.Tensor):
+                continue
+            if (mine.shape, mine.dtype) != (leaf.shape, leaf.dtype):  # pragma: no cover
+                raise RuntimeError("cudagraph_td: the captured call returned other tensors")
+            targets.append(mine)
+            sources.append(leaf.detach())
+            leaves[i] = mine
+        if targets:
+            with torch.no_grad():
+                _compat.foreach_copy_(targets, sources)
+        rebuilt = _tree.unflatten(spec, leaves)
+        orders = _tree.key_orders(out)  # flattening sorts TensorDict keys: the function's order
+        return rebuilt if orders is None else _tree.in_key_orders(rebuilt, orders)  # type: ignore[no-any-return]
+
+    return run
 
 
 def _end_capture(graph: torch.cuda.CUDAGraph) -> None:
@@ -372,6 +428,12 @@ class EmulatedBackend:
             return None
         lease = Lease(label, _lent.forbid)
         return lambda static: _lent.EmulatedLentOutputs(static, lease)
+
+    def lend_gradients(self, label: str, leaves: list[torch.Tensor]) -> Lend | None:
+        if not self.borrow:
+            return None
+        lease = Lease(label, _lent.forbid)
+        return lambda static: _lent.EmulatedLentGradients(static, lease, leaves)
 
     def capture(self, fn: Callable[[], T], like: T) -> tuple[Graph, T]:
         if self.reruns_python:

@@ -5,15 +5,25 @@ rows ``:n`` are right only if each depends on its own input row alone. A mean, a
 normalisation over the batch, or a module that updates state from the batch (a
 ``BatchNorm``'s running statistics in training mode), gives silently wrong rows, or moves
 state with the padding. So, the first time a bucket pads a call (unless the user declared
-``Buckets(row_independent=True)``), `check_rows` runs the function eagerly twice on that
-call padded to the bucket: with the padding of a replay, then with other values in the
-padded rows, each from the same random state. The real rows of the two results must agree;
-the state the function reaches must not move (else it is put back). Slow path only, once per
-bucket: two eager calls and a comparison on the host; the replay path pays nothing.
+``Buckets(row_independent=True)``), `check_rows` runs the function eagerly on that call
+padded to the bucket three times, each from the same random state: with the call's first
+row repeated in the padded rows (the padding of a padded call), then with values beyond
+every value of the call there, above all of them, then below all of them. The real rows of
+the three results must agree; the state the function reaches must not move (else it is put
+back).
+
+A replay's padded rows hold the rows of earlier calls, whatever they were: the check cannot
+validate those values one by one, so it makes the padding as unlike the real rows as a
+padding can be. A reduction over the batch (a max, a min, a sort, a median, a norm, a
+softmax, a mean) then sees a padded row above or below every real one, and changes, whatever
+the values drawn: never a check that passes because the data happened to hide the padding.
+Slow path only, once per bucket: three eager calls and a comparison on the host; the replay
+path pays nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -48,47 +58,59 @@ def check_rows(
         RuntimeError: The rows depend on each other, or the function updates module state.
     """
     padded = _padding.resize(args, kwargs, size)
-    other = _other_padding(padded, batch)
-    if other is None:  # no floating-point input whose padded rows could differ
+    probes = [_beyond(padded, batch, above) for above in (True, False)]
+    if probes[0] is None:  # no input whose padded rows could differ
         return
     state = StateSnapshot(fn)
-    # Each run from the caller's random state, which is put back after it: the two runs draw
+    # Each run from the caller's random state, which is put back after it: the runs draw
     # the same numbers, and the check none of the caller's.
     devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    results = []
     try:
         with torch.no_grad():
             with torch.random.fork_rng(devices):
-                first = fn(*padded[0], **padded[1])
-            with torch.random.fork_rng(devices):
-                try:
-                    second = fn(*other[0], **other[1])
-                except Exception:  # values it refuses in the padded rows: the check is moot
-                    second = None
+                results.append(fn(*padded[0], **padded[1]))
+            for probe in probes:
+                # Values that it refuses in the padded rows: that run is not compared.
+                with torch.random.fork_rng(devices), contextlib.suppress(Exception):
+                    results.append(fn(*probe[0], **probe[1]))  # type: ignore[index]
     finally:
         written = state.restore_written()
     if written:
         raise _errors_shapes.padding_moves_state(name, written)
-    if second is None:
-        return
-    ours = _tree.leaves_with_paths(_padding.rows(name, first, size, batch), root="output")
-    theirs = _tree.leaves_with_paths(_padding.rows(name, second, size, batch), root="output")
-    for (path, a), (_, b) in zip(ours, theirs, strict=True):
-        if isinstance(a, torch.Tensor) and not _close(a, b):
-            raise _errors_shapes.rows_depend_on_padding(name, path, batch, size)
+    ours = _tree.leaves_with_paths(_padding.rows(name, results[0], size, batch), root="output")
+    for result in results[1:]:
+        theirs = _tree.leaves_with_paths(_padding.rows(name, result, size, batch), root="output")
+        for (path, a), (_, b) in zip(ours, theirs, strict=True):
+            if isinstance(a, torch.Tensor) and not _close(a, b):
+                raise _errors_shapes.rows_depend_on_padding(name, path, batch, size)
 
 
-def _other_padding(padded: tuple[Any, Any], batch: tuple[int, ...]) -> tuple[Any, Any] | None:
-    """``padded`` with other values in its padded rows (``x * -2 + 1`` of the rows repeated
-    there), or None if it has no floating-point tensor to change."""
+def _beyond(padded: tuple[Any, Any], batch: tuple[int, ...], above: bool) -> tuple[Any, Any] | None:
+    """``padded`` with each floating-point tensor's padded rows set ``above`` (else below)
+    every value of the tensor; None if it has no floating-point tensor. (Integer and bool
+    tensors keep their rows: indices, actions and masks, which other values would make
+    invalid.)"""
     leaves, spec = _tree.flatten(padded)
     changed = False
     for i, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-            leaf = leaves[i] = leaf.clone()
-            for dim, n in enumerate(batch):  # rows n: of a dim not padded, none
-                leaf[(slice(None),) * dim + (slice(n, None),)].mul_(-2).add_(1)
-            changed = True
+        if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
+            continue
+        value = _beyond_value(leaf, above)
+        leaf = leaves[i] = leaf.clone()
+        for dim, n in enumerate(batch):  # rows n: of a dim not padded, none
+            leaf[(slice(None),) * dim + (slice(n, None),)] = value
+        changed = True
     return _tree.unflatten(spec, leaves) if changed else None
+
+
+def _beyond_value(t: torch.Tensor, above: bool) -> float:
+    """A value above (or below) every value of the floating-point ``t``: far beyond, so
+    that a padded row dominates any reduction that it takes part in, yet finite."""
+    finite = t.detach().float().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    magnitude = 4.0 * float(finite.abs().max()) + 4.0 if t.numel() else 4.0
+    magnitude = min(magnitude, float(torch.finfo(t.dtype).max) / 4)
+    return magnitude if above else -magnitude
 
 
 def _close(a: torch.Tensor, b: Any) -> bool:

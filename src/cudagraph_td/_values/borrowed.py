@@ -44,13 +44,17 @@ class Lease:
         self._forbid = forbid
         self.held: Sequence[Any] = ()
 
+    def overwritten_message(self) -> str:
+        """The error of a use of what the last replay lent, once the next one has replayed."""
+        return _errors.overwritten(self.label, self.replays + 1)
+
     def renew(self, lent: Sequence[Any]) -> None:
         """A replay lends ``lent``: what the one before it lent made unreadable."""
-        self.replays += 1
         if self.held:
-            message = _errors.overwritten(self.label, self.replays)
+            message = self.overwritten_message()
             for each in self.held:
                 self._forbid(each, message)
+        self.replays += 1
         self.held = lent
 
     def end(self) -> None:
