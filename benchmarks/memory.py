@@ -11,6 +11,8 @@ context and cuBLAS's eager workspace:
 - ``cudagraph_td shared``: 50 wrappers given one pool (``pool=``).
 - ``buckets 10``: one policy, 10 bucket graphs (batch 1 to 512) in its one pool.
 - ``bucket largest``: the same policy, only its largest bucket captured.
+- ``borrowed private``, ``borrowed shared``, ``buckets 10 borrowed``: the cudagraph_td
+  scenarios above with ``outputs="borrowed"`` (lent outputs in memory of their own).
 
 Run: ``python benchmarks/memory.py [--json FILE]`` on a GPU machine.
 """
@@ -120,6 +122,32 @@ def bucket_largest() -> list[Any]:
     wrapper = CudaGraphModule(_policy(), warmup=2, shapes=Buckets(BUCKETS[-1:]))
     for batch in (5, 5, 300):
         wrapper(_td(batch))
+    return [wrapper]
+
+
+@scenario
+def borrowed_private() -> list[Any]:
+    from cudagraph_td import CudaGraphModule
+
+    return _wrapped(lambda policy: CudaGraphModule(policy, warmup=2, outputs="borrowed"))
+
+
+@scenario
+def borrowed_shared() -> list[Any]:
+    from cudagraph_td import CudaGraphModule
+
+    pool = torch.cuda.graph_pool_handle()
+    return _wrapped(lambda policy: CudaGraphModule(policy, warmup=2, pool=pool, outputs="borrowed"))
+
+
+@scenario
+def buckets_10_borrowed() -> list[Any]:
+    from cudagraph_td import Buckets, CudaGraphModule
+
+    wrapper = CudaGraphModule(_policy(), warmup=2, shapes=Buckets(BUCKETS), outputs="borrowed")
+    for batch in (5, 5, 300):
+        wrapper(_td(batch))
+    assert len(wrapper.graphs()) == len(BUCKETS), wrapper.graphs()
     return [wrapper]
 
 

@@ -5,6 +5,7 @@
 # the repository root:
 #   bash scripts/gpu_check.sh                 # tests and examples
 #   TESTS=0 BENCH=1 bash scripts/gpu_check.sh # the benchmark alone (SOAK=0: without the soak)
+#   TESTS=0 TORCHRL=0 SOAK=0 MEMORY=1 bash scripts/gpu_check.sh  # the memory contract, memcheck
 #   TESTS=0 TORCHRL=0 SOAK=0 LEANRL=1 bash scripts/gpu_check.sh  # LeanRL's loops end to end
 #   TESTS=0 TORCHRL=0 SOAK=0 LEANRL_SCRIPTS=1 bash scripts/gpu_check.sh  # LeanRL's own scripts
 # It installs the wheels that ../shared/gpu/fetch-wheels.sh put in .whl/ (if any), and writes
@@ -84,6 +85,22 @@ if [ "${SOAK:-1}" = 1 ]; then
         | tee -a "$out/memcheck.log" || status=1
     done
   fi
+fi
+if [ "${MEMORY:-0}" = 1 ]; then
+  # The memory contract in random runs on CUDA (tests/test_memory_contract.py): 1,000 steps
+  # a seed, then a short run under compute-sanitizer's memcheck; and the GPU memory the
+  # captures hold (benchmarks/memory.py).
+  MEMORY_CONTRACT_STEPS=${MEMORY_STEPS:-1000} python3 -m pytest -q -p no:cacheprovider \
+    tests/test_memory_contract.py -k cuda 2>&1 | tee "$out/memory-contract.log" || status=1
+  sanitizer=/usr/local/cuda/bin/compute-sanitizer
+  if [ -x "$sanitizer" ]; then
+    MEMORY_CONTRACT_STEPS=${MEMCHECK_MEMORY_STEPS:-120} "$sanitizer" --tool memcheck \
+      --leak-check no --error-exitcode 3 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_memory_contract.py -k "cuda and 0" 2>&1 | tee "$out/memcheck-memory.log" \
+      || status=1
+  fi
+  python3 benchmarks/memory.py --json "$out/memory.json" 2>&1 | tee "$out/memory.log" \
+    || status=1
 fi
 if [ "${BENCH:-0}" = 1 ]; then
   baseline=()
