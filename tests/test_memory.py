@@ -289,3 +289,23 @@ def test_no_data_fools_the_padding_check(backend: Backend, reduction: str) -> No
         assert refused == 0
     else:  # refused at the first padded call, on every seed
         assert refused == seeds
+
+
+def test_input_buffers_are_the_current_modes_graphs(backend: Backend) -> None:
+    # A wrapper with a grad-mode and a no_grad graph of one shape: under no_grad, the no_grad
+    # graph's buffer, which its calls read in place (not the other's, which they copy into).
+    net = _net(backend)
+    graphed = backend.wrap(net, outputs="borrowed")
+    x = backend.randn(8, 4)
+    _calls(lambda t: graphed(t).sum().backward(), x)
+    with torch.no_grad():
+        _calls(graphed, x)
+        (buffer,), _ = graphed.input_buffers(x)
+        put = backend.randn(8, 4)
+        graphed(put)  # copied into the no_grad graph's buffer
+        torch.testing.assert_close(buffer, put)
+        buffer.copy_(backend.randn(8, 4))
+        put = buffer.clone()
+        torch.testing.assert_close(graphed(buffer), net(put))
+    graphed(backend.randn(8, 4))  # the grad-mode graph's call leaves it
+    torch.testing.assert_close(buffer, put)

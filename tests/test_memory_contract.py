@@ -53,6 +53,8 @@ class Run:
             torch.nn.Linear(4, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh()
         )
         self.net = torch.nn.Sequential(*net, torch.nn.Linear(32, 3)).to(backend.device)
+        # The gradients' eager twin: the graphed calls' autograd nodes stay apart from eager's.
+        self.twin = copy.deepcopy(self.net)
         self.exact = backend.wrap(self.net, outputs="borrowed", shapes=Exact(), warmup=2)
         self.buckets = backend.wrap(self.net, outputs="borrowed", shapes=Buckets([8, 16]))
         pool = self.exact.pool() if backend.name == "cuda" else None
@@ -99,14 +101,15 @@ class Run:
             else:
                 y = self.exact(x)
                 self.called(("exact", "grad", rows))
-                with torch.no_grad():
-                    self.keep("exact grad", y, self.net(x), ("exact", "grad", rows))
+                with torch.no_grad():  # its storage, without the autograd graph kept alive
+                    self.keep("exact grad", y.detach(), self.net(x), ("exact", "grad", rows))
                 if rng.random() < 0.5:  # its backward: gradients lent too
                     self.net.zero_grad(set_to_none=True)
                     y.pow(2).sum().backward()
                     self.called(("exact", "backward", rows))
                     weight = self.net[0].weight
-                    (expected,) = torch.autograd.grad(self.net(x).pow(2).sum(), weight)
+                    twin_weight = self.twin[0].weight
+                    (expected,) = torch.autograd.grad(self.twin(x).pow(2).sum(), twin_weight)
                     assert weight.grad is not None
                     self.keep("exact gradient", weight.grad, expected, ("exact", "backward", rows))
                     self.net.zero_grad(set_to_none=True)

@@ -500,11 +500,15 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             torch.Size([4, 2])
         """
         with self._lock:
+            # Calls like these replay a graph of the current mode: not another mode's of the
+            # same shapes (grad mode's, say), whose buffers such calls would copy into theirs.
+            mode = _modes.current_mode(self.module) if args or kwargs else None
             entries = [
                 entry
-                for graphs in self._graphs.values()
+                for key, graphs in self._graphs.items()
+                if mode is None or key.mode == mode
                 for entry in graphs.entries.values()
-                if entry.alive() and (not (args or kwargs) or entry.reads(args, kwargs))
+                if entry.alive() and (mode is None or entry.reads(args, kwargs))
             ]
             if not entries:
                 raise _errors_borrowed.no_input_buffers(self._name, bool(args or kwargs))
