@@ -411,10 +411,24 @@ def emulated_branch_changed() -> RuntimeError:
     )
 
 
-def no_cuda(name: str) -> RuntimeError:
+def no_cuda(name: str, switch: str | None = None) -> RuntimeError:
+    """``backend="cuda"`` on a machine without CUDA: given to ``name``, or picked for
+    ``backend="auto"`` by the ``switch`` (see `_capture.default_backend`)."""
+    if switch is None:
+        return RuntimeError(
+            f"{name}(backend='cuda') needs CUDA, which is not available here. Use "
+            "backend='auto' to fall back to eager calls, or 'emulate' to test on the CPU."
+        )
     return RuntimeError(
-        f"{name}(backend='cuda') needs CUDA, which is not available here. Use backend='auto' "
-        "to fall back to eager calls, or 'emulate' to test on the CPU."
+        f"{name}: {switch} makes backend='auto' pick 'cuda', which needs CUDA, not available "
+        "here. Set it to 'emulate' to test on the CPU, or 'eager' for plain calls."
+    )
+
+
+def invalid_environment_backend(variable: str, value: str, valid: tuple[str, ...]) -> ValueError:
+    return ValueError(
+        f"The environment variable {variable} must be one of {', '.join(map(repr, valid))} "
+        f"(or unset, or 'auto'), got {value!r}."
     )
 
 
