@@ -19,6 +19,8 @@ machine has (two GPUs, torchrl).
 
 from __future__ import annotations
 
+import fnmatch
+import itertools
 import pathlib
 import re
 from typing import Any, NamedTuple
@@ -96,3 +98,24 @@ def test_the_blocks_are_found() -> None:
     assert {"README.md", "docs/quickstart.md", "docs/sharp-edges.md"} <= found
     fences = sum(page.read_text().count("```python\n") for page in PAGES)
     assert len(BLOCKS) == fences  # none left out by a comment the pattern misread
+
+
+def test_the_readme_gives_the_docs_build_command_with_its_extra() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert '```bash\npip install -e ".[docs]" && mkdocs build --strict\n```' in readme
+    extras = (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1]
+    assert re.search(r'^docs = \[\n    "mkdocs>=', extras, re.MULTILINE)
+
+
+def test_every_page_is_in_the_nav_or_declared_out_of_it() -> None:
+    # A build lists the pages that are neither, which a reader of its output takes for a
+    # mistake: the benchmark runs' reports, linked from the Benchmarks page, are declared.
+    config = (ROOT / "mkdocs.yml").read_text()
+    nav = set(re.findall(r"^  - [^:\n]+: (\S+\.md)$", config, re.MULTILINE))
+    declared = config.split("not_in_nav: |\n")[1].split("\n")
+    patterns = [line.strip() for line in itertools.takewhile(str.strip, declared)]
+    docs = ROOT / "docs"
+    for page in docs.rglob("*.md"):
+        name = page.relative_to(docs).as_posix()
+        outside = any(fnmatch.fnmatch(f"/{name}", pattern) for pattern in patterns)
+        assert (name in nav) != outside, name  # one or the other

@@ -169,7 +169,7 @@ def make_graphed_callables(
         name = f"{_errors.GRAPHED_CALLABLES}({described})"  # its errors tell by it
         forward = fn.forward if isinstance(fn, torch.nn.Module) else fn
         for (args, kwargs), graph_backend, in_pool in zip(each, backends, in_pools, strict=False):
-            signature = Signature(name, args, kwargs, device, allow_grad=True)
+            signature = Signature(name, args, kwargs, device, allow_grad=True, function=forward)
             capture = Capture(name, forward, signature, graph_backend, [], allow_unused_input)
             # The emulation builds its static buffers from an eager result: it needs one run.
             capture.warmup(

@@ -270,18 +270,26 @@ def uncomparable_constant(name: str, path: str, value: Any) -> TypeError:
 
 
 def structure_mismatch(
-    name: str, missing: list[str], extra: list[str], other: list[str]
+    name: str, missing: list[str], extra: list[str], other: list[str], unbound: str | None = None
 ) -> InputMismatchError:
+    """A call of another structure than the capture's. ``unbound``: why the function itself
+    could not take the call (Python's words), whose fix is then the only advice."""
     lines = [f"{name} was called with inputs of another structure than at capture:"]
     if missing:
         lines.append(f"  missing: {', '.join(missing)}")
     if extra:
         lines.append(f"  extra: {', '.join(extra)}")
     lines.extend(f"  {line}" for line in other)
-    lines.append(
-        "A graph replays the captured call: pass the same arguments and keys, "
-        f"{_several_structures(name)}."
-    )
+    if unbound is not None:
+        lines.append(
+            f"The function cannot take this call either ({unbound}): pass the arguments it "
+            "takes, as at capture."
+        )
+    else:
+        lines.append(
+            "A graph replays the captured call: pass the same arguments and keys, "
+            f"{_several_structures(name)}."
+        )
     return InputMismatchError("\n".join(lines), "(args, kwargs)", missing, extra)
 
 
