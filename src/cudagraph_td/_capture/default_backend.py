@@ -53,10 +53,10 @@ class set_default_backend:
     built.
 
     Called as a function, the setting lasts until the next call; used as a context manager,
-    it lasts until the ``with`` block ends, and the previous setting comes back (the way to
-    run one test module's wrappers on the emulation: see the docs' Sharp edges page,
-    "Testing without a GPU"). The setting is the process's, as ``torch.set_default_dtype``'s
-    is: not per thread.
+    it lasts until the ``with`` block ends, and the previous setting comes back (in a pytest
+    fixture, the way to run a test module's wrappers on the emulation: see the docs' Sharp
+    edges page, "One switch for a whole program"). The setting is the process's, as
+    ``torch.set_default_dtype``'s is: not per thread.
 
     Args:
         backend: ``"emulate"`` for the CPU emulation of CUDA graphs (see the docs' Sharp
