@@ -54,8 +54,9 @@ def policy_replays(device: str, backend: str) -> None:
             torch.testing.assert_close(graphed(obs), policy(obs))
     # The capturing call runs the Python twice: once eagerly, for its result, then recorded.
     replays = sum(info.replays for info in graphed.graphs())
-    print(f"policy: 10 calls; the function's Python ran {calls} times, at the warm-up call and")
-    print(f"        the capturing call, not at the {replays} replays, whose actions equal eager's")
+    print(f"policy: 10 calls; the function's Python ran {calls} times: once at the warm-up call,")
+    print("        twice at the capturing call (eagerly for its result, then recorded), and not")
+    print(f"        at the {replays} replays, whose actions equal eager's")
     try:
         with torch.no_grad():
             graphed(torch.randn(16, 17, device=device))

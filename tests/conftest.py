@@ -78,6 +78,13 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _no_backend_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each test picks its backends itself: a CUDAGRAPH_TD_BACKEND of the shell that runs the
+    # suite is not theirs (tests/test_default_backend.py sets it where it tests it).
+    monkeypatch.delenv("CUDAGRAPH_TD_BACKEND", raising=False)
+
+
 def regression_step(backend: Backend, net: torch.nn.Module) -> tuple[Callable[..., Any], Any]:
     """A whole training step of ``net`` (capturable Adam on CUDA, tensor learning rate) on a
     TensorDict of ``obs`` and ``target``; returns the step and its optimizer."""

@@ -311,7 +311,10 @@ def test_backend_cuda_without_cuda_raises(monkeypatch: pytest.MonkeyPatch) -> No
         ({"warmup": 0}, "`warmup` must be an integer greater than 0, got 0."),
         ({"warmup": 1.5}, "`warmup` must be an integer greater than 0, got 1.5."),
         ({"warmup": True}, "`warmup` must be an integer greater than 0, got True."),
-        ({"backend": "tpu"}, "`backend` must be one of 'auto', 'cuda', 'emulate', got 'tpu'."),
+        (
+            {"backend": "tpu"},
+            "`backend` must be one of 'auto', 'cuda', 'emulate', 'eager', got 'tpu'.",
+        ),
         (
             {"capture_error_mode": "strict"},
             "`capture_error_mode` must be one of 'global', 'thread_local', 'relaxed', got 'strict'.",

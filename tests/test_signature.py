@@ -169,10 +169,61 @@ def test_missing_and_extra_arguments(backend: Backend) -> None:
         "CudaGraphModule was called with inputs of another structure than at capture:\n"
         "  missing: args[2]\n"
         '  extra: kwargs["extra"]\n'
+        "The function cannot take this call either (missing a required argument: 'cfg'): "
+        "pass the arguments it takes, as at capture.",
+    )
+
+
+def test_a_missing_required_keyword_is_answered_about_the_keyword(backend: Backend) -> None:
+    # The function itself requires it: a graph per structure would not help.
+    graphed = backend.wrap(lambda x, *, scale: x * scale, warmup=1)
+    graphed(backend.randn(3), scale=2.0)
+    _check_raises(
+        graphed,
+        (backend.randn(3),),
+        {},
+        ValueError,
+        "CudaGraphModule was called with inputs of another structure than at capture:\n"
+        '  missing: kwargs["scale"]\n'
+        "The function cannot take this call either (missing a required argument: 'scale'): "
+        "pass the arguments it takes, as at capture.",
+    )
+
+
+def test_a_missing_optional_argument_is_answered_with_a_graph_per_structure(
+    backend: Backend,
+) -> None:
+    graphed = backend.wrap(lambda x, y=None: x if y is None else x + y, warmup=1)
+    graphed(backend.randn(3), y=backend.randn(3))
+    _check_raises(
+        graphed,
+        (backend.randn(3),),
+        {},
+        ValueError,
+        "CudaGraphModule was called with inputs of another structure than at capture:\n"
+        '  missing: kwargs["y"]\n'
         "A graph replays the captured call: pass the same arguments and keys, make the "
         'CudaGraphModule with shapes="exact" (a graph per structure and shapes: an optional '
         f"argument passed or None, say), {HINT}",
     )
+
+
+def test_a_missing_required_argument_of_a_graphed_callable(backend: Backend) -> None:
+    class Scaled(torch.nn.Module):
+        def forward(self, x: torch.Tensor, *, scale: float) -> torch.Tensor:
+            return x * scale
+
+    graphed = backend.graph_callables(
+        Scaled(), (backend.randn(3, requires_grad=True),), sample_kwargs={"scale": 2.0}
+    )
+    message = (
+        "make_graphed_callables(Scaled) was called with inputs of another structure than at "
+        "capture:\n"
+        '  missing: kwargs["scale"]\n'
+        "The function cannot take this call either (missing a required argument: 'scale')"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        graphed(backend.randn(3))
 
 
 def test_missing_tensordict_key_is_a_key_error(backend: Backend) -> None:

@@ -19,7 +19,7 @@ from torch import nn
 
 from cudagraph_td import CudaGraphModule, RecaptureWarning
 
-from .conftest import Backend, current_runner, requires_cuda, run_threads
+from .conftest import Backend, current_runner, regression_step, requires_cuda, run_threads
 from .test_whole_step import _agent
 
 
@@ -628,3 +628,42 @@ def test_the_librarys_own_closures_are_no_bindings_to_follow(backend: Backend) -
     state = entry.graph.state
     assert state is not None and state.entries
     assert [b[0] for b in state.bindings if b[1] is CELLS] == []
+
+
+def test_a_recapture_warning_says_only_what_applies_to_a_frozen_layer(backend: Backend) -> None:
+    # A training step whose critic's first layer is frozen after the capture: the warning
+    # names the flags and their cause, not the causes of a replaced tensor.
+    critic = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).to(backend.device)
+    step, _ = regression_step(backend, critic)
+    graphed = backend.wrap(step, warmup=2)
+    td = TensorDict(obs=backend.randn(8, 4), target=backend.randn(8, 1), batch_size=[8])
+    for _ in range(3):
+        graphed(td)
+    critic[0].requires_grad_(False)
+    with pytest.warns(RecaptureWarning) as record:
+        graphed(td)
+    assert str(record[0].message) == (
+        "CudaGraphModule: state that the graph reads changed after the capture: "
+        "`net[0].weight.requires_grad (set to False)`, `net[0].bias.requires_grad (set to "
+        "False)` (a `requires_grad` flag changed (a layer frozen or unfrozen), which decides "
+        "the gradients that the graph computes). The graph is captured again for the new "
+        "state: the next calls warm up and capture as the first ones did. To keep the graph, "
+        "set the flags before the first call. To refuse instead, turn this warning into an "
+        "error: `warnings.simplefilter('error', cudagraph_td.RecaptureWarning)`."
+    )
+
+
+@torch.no_grad()
+def test_a_recapture_warning_says_only_what_applies_to_a_replaced_tensor(
+    backend: Backend,
+) -> None:
+    net = _net(backend)
+    graphed = backend.wrap(net, warmup=2)
+    _warm(graphed, net, backend)
+    net[0].weight = nn.Parameter(net[0].weight.clone())
+    with pytest.warns(RecaptureWarning) as record:
+        graphed(backend.randn(8, 4))
+    message = str(record[0].message)
+    assert "`module[0].weight` (state replaced: a new tensor" in message
+    assert "`load_state_dict(assign=True)`" in message and "requires_grad" not in message
+    assert "To keep the graph, update state in place (`load_state_dict(sd)`, `copy_`)." in message

@@ -3,6 +3,7 @@
 from ._call.graphed_callables import make_graphed_callables as make_graphed_callables
 from ._call.module import CudaGraphModule as CudaGraphModule
 from ._call.verify import VerificationError as VerificationError
+from ._capture.default_backend import set_default_backend as set_default_backend
 from ._capture.sharing import capture_stream as capture_stream
 from ._compat import capturable_on_cpu as capturable_on_cpu
 from ._errors.inputs import InputKeyError as InputKeyError
@@ -30,4 +31,5 @@ __all__ = [
     "capturable_on_cpu",
     "capture_stream",
     "make_graphed_callables",
+    "set_default_backend",
 ]

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 import torch
 
+from .._capture import default_backend as _default_backend
 from .._capture.autograd import Capture, DifferentiableCall
 from .._capture.backend import can_borrow, check_options, make_backend
 from .._capture.entry import MISS, GraphEntry
@@ -28,7 +29,7 @@ def make_graphed_callables(
     *,
     sample_kwargs: Any = None,
     capture_error_mode: str = "global",
-    backend: Literal["auto", "cuda", "emulate"] = "auto",
+    backend: Literal["auto", "cuda", "emulate", "eager"] = "auto",
     outputs: Literal["fresh", "borrowed"] = "fresh",
 ) -> Any:
     """Capture callables' forward and backward as CUDA graphs inside one autograd node each.
@@ -69,8 +70,10 @@ def make_graphed_callables(
             dicts for a list of sample tuples.
         capture_error_mode: Passed to ``torch.cuda.CUDAGraph.capture_begin``.
         backend: ``"cuda"``; ``"emulate"`` for the CPU emulation of the graph contract
-            (experimental, for tests); ``"auto"`` for ``"cuda"`` when CUDA is available, else
-            the callables are returned unchanged, with a warning.
+            (experimental, for tests); ``"eager"``: the callables are returned unchanged;
+            ``"auto"`` for what ``set_default_backend`` or the ``CUDAGRAPH_TD_BACKEND``
+            environment variable set, else ``"cuda"`` when CUDA is available, else the
+            callables are returned unchanged, with a warning.
         outputs: ``"fresh"`` (the default): outputs and gradients in fresh memory.
             ``"borrowed"``: the forward's outputs and the backward's gradients are the graphs'
             own memory, as torch's function returns them (no copy), valid until the next
@@ -90,7 +93,8 @@ def make_graphed_callables(
         ValueError: A module has hooks or buffers that require grad; an argument that
             requires grad is unused and ``allow_unused_input`` is ``False``.
         RuntimeError: Autocast with its cache enabled; a capture failure (see
-            ``CudaGraphModule``).
+            ``CudaGraphModule``); ``"cuda"`` (given, or picked by the switch) on a machine
+            without CUDA.
         InputMismatchError: Raised by a graphed callable when it is called (a
             ``ValueError``): an input differs from the samples, or shares memory with an
             input that the callable updates in place (such updates reach the caller's
@@ -122,17 +126,19 @@ def make_graphed_callables(
     for fn in callables:
         if isinstance(fn, torch.nn.Module):
             _check_module(fn)
-    if backend == "auto":
-        if not torch.cuda.is_available():
+    # "auto" resolved by the process's switch, else by whether CUDA is available.
+    chosen = _default_backend.resolve(_errors.GRAPHED_CALLABLES, backend)
+    if chosen.backend == "eager":
+        if backend == "auto" and chosen.switch is None:
             warnings.warn(
                 "make_graphed_callables is called on a machine without CUDA: the callables are "
-                "returned unchanged.",
+                "returned unchanged. To test them on the CPU emulation of CUDA graphs, pass "
+                'backend="emulate", or set CUDAGRAPH_TD_BACKEND=emulate for the whole program.',
                 UserWarning,
                 stacklevel=2,
             )
-            return callables[0] if single else callables
-        backend = "cuda"
-    borrow = outputs == "borrowed" and can_borrow(_errors.GRAPHED_CALLABLES, backend)
+        return callables[0] if single else callables
+    borrow = outputs == "borrowed" and can_borrow(_errors.GRAPHED_CALLABLES, chosen.backend)
     # Each callable's samples: one (args, kwargs) per shape, a graph pair for each.
     samples = [
         _shapes_of(args, kwargs) for args, kwargs in zip(sample_args, sample_kwargs, strict=True)
@@ -144,10 +150,14 @@ def make_graphed_callables(
     # other shape's graphs use. A pool given by the user is shared by all.
     backends = []
     for k in range(shapes):
-        shape_pool = torch.cuda.graph_pool_handle() if backend == "cuda" and pool is None else pool
+        shape_pool = (
+            torch.cuda.graph_pool_handle() if chosen.backend == "cuda" and pool is None else pool
+        )
         example = [each[k] for each in samples if k < len(each)]
         backends.append(
-            make_backend(backend, None, shape_pool, capture_error_mode, example, borrow=borrow)
+            make_backend(
+                chosen.backend, None, shape_pool, capture_error_mode, example, borrow=borrow
+            )
         )
     device = backends[0].device
     if torch.is_autocast_enabled(device.type) and torch.is_autocast_cache_enabled():
@@ -159,11 +169,11 @@ def make_graphed_callables(
         name = f"{_errors.GRAPHED_CALLABLES}({described})"  # its errors tell by it
         forward = fn.forward if isinstance(fn, torch.nn.Module) else fn
         for (args, kwargs), graph_backend, in_pool in zip(each, backends, in_pools, strict=False):
-            signature = Signature(name, args, kwargs, device, allow_grad=True)
+            signature = Signature(name, args, kwargs, device, allow_grad=True, function=forward)
             capture = Capture(name, forward, signature, graph_backend, [], allow_unused_input)
             # The emulation builds its static buffers from an eager result, and lent outputs
             # their own memory (see `_capture.backend`): they need one run.
-            eager_run = backend == "emulate" or borrow
+            eager_run = chosen.backend == "emulate" or borrow
             capture.warmup(max(1, num_warmup_iters) if eager_run else num_warmup_iters)
             in_pool.append((i, capture))
     calls: list[list[DifferentiableCall]] = [[] for _ in callables]  # in the shapes' order

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import tensordict.nn
 import torch
 
+from .._capture import default_backend as _default_backend
 from .._capture import devices as _devices
 from .._capture import distributed as _distributed
 from .._capture import graph as _graph
@@ -90,9 +91,10 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
     docs' Sharp edges page). In grad mode, when the captured outputs require grad, the
     forward and its backward are captured inside one autograd node (see
     ``make_graphed_callables``), so ``loss.backward()`` replays the backward graph; under
-    ``torch.no_grad()`` a plain graph. Without CUDA (and with ``backend="auto"``), the
-    constructor warns once and every call runs the function directly. See the docs' Sharp
-    edges page for what a graph cannot capture.
+    ``torch.no_grad()`` a plain graph. Without CUDA (and with ``backend="auto"``, unless
+    ``set_default_backend`` or ``CUDAGRAPH_TD_BACKEND`` picks a backend), the constructor
+    warns once and every call runs the function directly. See the docs' Sharp edges page
+    for what a graph cannot capture.
 
     Args:
         module: The function, ``torch.nn.Module`` or TensorDictModule to capture.
@@ -117,7 +119,10 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         backend: ``"cuda"`` for CUDA graphs; ``"emulate"`` for the CPU emulation of their
             contract (static buffers, outputs overwritten at each replay), which lets the
             code that uses the wrapper be tested on a machine without a GPU (experimental);
-            ``"auto"`` for ``"cuda"`` when CUDA is available, else eager calls.
+            ``"eager"`` for plain calls of the function (no graph, no input checks);
+            ``"auto"`` for what ``set_default_backend`` or the ``CUDAGRAPH_TD_BACKEND``
+            environment variable set, else ``"cuda"`` when CUDA is available, else eager
+            calls (with a warning).
         verify: How many replays, after the capture, also run the function eagerly on
             copies of their inputs and compare the results and the inputs updated in place,
             raising a ``VerificationError`` that names the first leaf that differs and its
@@ -156,10 +161,12 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             ``shapes=Buckets([8, 16])``). To be removed in the next release.
 
     Raises:
-        ValueError: An option has no valid value.
+        ValueError: An option has no valid value (``CUDAGRAPH_TD_BACKEND`` too, for
+            ``backend="auto"``).
         TypeError: A keyword that the constructor does not take, or a deprecated shape
             keyword beside a ``shapes=`` value.
-        RuntimeError: ``backend="cuda"`` on a machine without CUDA.
+        RuntimeError: ``backend="cuda"`` on a machine without CUDA, given or picked by
+            the switch (see ``set_default_backend``).
 
     Examples:
         >>> import torch
@@ -197,7 +204,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         *,
         pool: Any = None,
         capture_error_mode: str = "global",
-        backend: Literal["auto", "cuda", "emulate"] = "auto",
+        backend: Literal["auto", "cuda", "emulate", "eager"] = "auto",
         verify: int = 0,
         shapes: Static | Exact | Buckets | Literal["static", "exact", "buckets"] = "static",
         static: tuple[int | str, ...] | int | str = (),
@@ -211,8 +218,8 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         check_options(backend, capture_error_mode, outputs)
         name = self._name = type(self).__name__
         self._shapes = _shape_options.resolve(name, shapes, deprecated)
-        if backend == "cuda" and not torch.cuda.is_available():
-            raise _errors.no_cuda(name)
+        # "auto" resolved by the process's switch, else by whether CUDA is available.
+        chosen = _default_backend.resolve(name, backend)
         # A DDP step's ranks agree on each call's graph (see `_capture.distributed`).
         mode, self._agreement = _distributed.checked(name, module, warmup, capture_error_mode)
         # The options as given, which a copy is made with (see `_call.copying`); the module's
@@ -234,17 +241,18 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         self._warmup = warmup
         self.in_keys, self.out_keys = _tdmodule.resolve_keys(name, module, in_keys, out_keys)
         self.device = None if device is None else torch.device(device)
-        self._backend_name: str = backend
-        if backend == "auto":
-            self._backend_name = "cuda" if torch.cuda.is_available() else "eager"
+        self._backend_name: str = chosen.backend
+        # What made it eager, for `__repr__`: no CUDA, the switch, or None for backend="eager".
+        self._eager_by = chosen.switch or ("no CUDA" if backend == "auto" else None)
         # One pool for the wrapper's graphs, unless the user gives one.
         self._pool = SharedPool() if pool is None and self._backend_name == "cuda" else pool
-        if self._backend_name == "eager":
+        if self._backend_name == "eager" and self._eager_by == "no CUDA":
             warnings.warn(
                 "CudaGraphModule is created on a machine without CUDA: calls run the function "
                 "eagerly, with no graph and no input checks (optimizers built with "
                 "capturable=True step on the CPU in them). To test the graphed code on the "
-                'CPU (static buffers, replays, capture errors), pass backend="emulate".',
+                'CPU (static buffers, replays, capture errors), pass backend="emulate", or '
+                "set CUDAGRAPH_TD_BACKEND=emulate for the whole program.",
                 UserWarning,
                 stacklevel=2,
             )
@@ -605,7 +613,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
 
     def __repr__(self) -> str:
         if self._backend_name == "eager":
-            state = "eager (no CUDA)"
+            state = "eager" if self._eager_by is None else f"eager ({self._eager_by})"
         elif not self._graphs:
             state = f"warming up: 0 of {self._warmup - 1} warm-up calls done"
         else:  # one entry per mode the wrapper was called in, with its graphs' stage

@@ -38,7 +38,7 @@ T = TypeVar("T")
 
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
-BACKENDS = ("auto", "cuda", "emulate")
+BACKENDS = ("auto", "cuda", "emulate", "eager")
 
 OUTPUTS = ("fresh", "borrowed")
 

@@ -108,7 +108,7 @@ def capture(
     result requires grad, the graph is captured for autograd (forward and backward).
     """
     grad = torch.is_grad_enabled()
-    signature = Signature(name, args, kwargs, backend.device, allow_grad=grad)
+    signature = Signature(name, args, kwargs, backend.device, allow_grad=grad, function=fn)
     inputs = signature.read(args, kwargs)
     assert inputs is not None
     before = versions(inputs)

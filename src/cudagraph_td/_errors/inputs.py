@@ -270,18 +270,26 @@ def uncomparable_constant(name: str, path: str, value: Any) -> TypeError:
 
 
 def structure_mismatch(
-    name: str, missing: list[str], extra: list[str], other: list[str]
+    name: str, missing: list[str], extra: list[str], other: list[str], unbound: str | None = None
 ) -> InputMismatchError:
+    """A call of another structure than the capture's. ``unbound``: why the function itself
+    could not take the call (Python's words), whose fix is then the only advice."""
     lines = [f"{name} was called with inputs of another structure than at capture:"]
     if missing:
         lines.append(f"  missing: {', '.join(missing)}")
     if extra:
         lines.append(f"  extra: {', '.join(extra)}")
     lines.extend(f"  {line}" for line in other)
-    lines.append(
-        "A graph replays the captured call: pass the same arguments and keys, "
-        f"{_several_structures(name)}."
-    )
+    if unbound is not None:
+        lines.append(
+            f"The function cannot take this call either ({unbound}): pass the arguments it "
+            "takes, as at capture."
+        )
+    else:
+        lines.append(
+            "A graph replays the captured call: pass the same arguments and keys, "
+            f"{_several_structures(name)}."
+        )
     return InputMismatchError("\n".join(lines), "(args, kwargs)", missing, extra)
 
 
@@ -411,10 +419,24 @@ def emulated_branch_changed() -> RuntimeError:
     )
 
 
-def no_cuda(name: str) -> RuntimeError:
+def no_cuda(name: str, switch: str | None = None) -> RuntimeError:
+    """``backend="cuda"`` on a machine without CUDA: given to ``name``, or picked for
+    ``backend="auto"`` by the ``switch`` (see `_capture.default_backend`)."""
+    if switch is None:
+        return RuntimeError(
+            f"{name}(backend='cuda') needs CUDA, which is not available here. Use "
+            "backend='auto' to fall back to eager calls, or 'emulate' to test on the CPU."
+        )
     return RuntimeError(
-        f"{name}(backend='cuda') needs CUDA, which is not available here. Use backend='auto' "
-        "to fall back to eager calls, or 'emulate' to test on the CPU."
+        f"{name}: {switch} makes backend='auto' pick 'cuda', which needs CUDA, not available "
+        "here. Set it to 'emulate' to test on the CPU, or 'eager' for plain calls."
+    )
+
+
+def invalid_environment_backend(variable: str, value: str, valid: tuple[str, ...]) -> ValueError:
+    return ValueError(
+        f"The environment variable {variable} must be one of {', '.join(map(repr, valid))} "
+        f"(or unset, or 'auto'), got {value!r}."
     )
 
 

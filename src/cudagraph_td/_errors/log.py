@@ -74,9 +74,10 @@ def warmed_up(label: str, done: int, warmups: int) -> None:
     logger.debug("%s: warm-up call %d of %d (eager).", label, done, warmups)
 
 
-def recapturing(label: str, reason: str) -> None:
-    """INFO: a graph dropped for a new capture, with the ``RecaptureWarning``'s text."""
-    logger.info("%s: captured again (from the warm-up). %s", label, reason)
+def recapturing(label: str, changed: str) -> None:
+    """INFO: a graph dropped for a new capture, with the paths of the state ``changed`` (the
+    ``RecaptureWarning`` says why, once)."""
+    logger.info("%s: captured again (from the warm-up): %s changed.", label, changed)
 
 
 def ran_eagerly(label: str, reason: str, calls: int) -> None:

@@ -6,6 +6,7 @@ changed, shows what was captured and what is there now, and says how to fix it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -63,20 +64,52 @@ def hyperparameter_changed(
     )
 
 
-def recaptured(name: str, changed: list[str]) -> str:
-    """The message of a ``RecaptureWarning``: what was replaced, and what the wrapper does."""
-    shown = ", ".join(f"`{path}`" for path in changed[:5])
-    more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
-    return (
-        f"{name}: state that the graph reads was replaced after the capture: {shown}{more} "
-        "(a new tensor, new memory or a new submodule: an attribute rebound, "
+# What a `RecaptureWarning` says of each cause of a change (`_state.state.Change.cause`): what
+# happened, and how to keep the graph (None: a new graph is what the change needs).
+CAUSES: dict[str, tuple[str, str | None]] = {
+    "replaced": (
+        "state replaced: a new tensor, new memory or a new submodule (an attribute rebound, "
         "`load_state_dict(assign=True)`, `.data = ...`, `.to(...)`, `net[0] = ...`, or an "
-        "optimizer's `load_state_dict`; or a new module or optimizer where the function "
-        "finds it: an attribute, a global or a closure variable rebound, `agent.net = net`). "
-        "The graph read the old state, so it is captured again for the new state: the next "
-        "calls warm up and capture as the first ones did. Update state in place "
-        "(`load_state_dict(sd)`, `copy_`; a resumed run loads its checkpoint into the model "
-        "and optimizer that the function reads) to keep the graph. "
+        "optimizer's `load_state_dict`), while the graph reads the old one",
+        "update state in place (`load_state_dict(sd)`, `copy_`)",
+    ),
+    "rebound": (
+        "a new model or optimizer where the function finds it (an attribute, a global or a "
+        "closure variable rebound: `agent.net = net`), while the graph reads the old one",
+        "load the new state into the model and optimizer that the function reads "
+        "(`load_state_dict(sd)`, as a resumed run loads its checkpoint)",
+    ),
+    "children": ("submodules added or removed, which the graph does not run", None),
+    "flag": (
+        "a `requires_grad` flag changed (a layer frozen or unfrozen), which decides the "
+        "gradients that the graph computes",
+        "set the flags before the first call",
+    ),
+    "lengths": (
+        "an optimizer's parameter groups changed (`add_param_group`), which its captured step "
+        "does not update",
+        "add the groups before the first call",
+    ),
+}
+
+
+def changed_paths(changes: Sequence[tuple[str, str]]) -> str:
+    """The paths of the ``(path, cause)`` changes, as messages show them: the first five."""
+    shown = ", ".join(f"`{path}`" for path, _ in changes[:5])
+    return shown + (f" and {len(changes) - 5} more" if len(changes) > 5 else "")
+
+
+def recaptured(name: str, changes: Sequence[tuple[str, str]]) -> str:
+    """The message of a ``RecaptureWarning``: what changed, and only the causes and fixes
+    of the kinds of change found (``(path, cause)`` pairs, causes from `CAUSES`)."""
+    causes = list(dict.fromkeys(cause for _, cause in changes))
+    what = "; ".join(CAUSES[cause][0] for cause in causes)
+    fixes = [fix for cause in causes if (fix := CAUSES[cause][1]) is not None]
+    keep = f"To keep the graph, {' and '.join(fixes)}. " if fixes else ""
+    return (
+        f"{name}: state that the graph reads changed after the capture: "
+        f"{changed_paths(changes)} ({what}). The graph is captured again for the new state: "
+        f"the next calls warm up and capture as the first ones did. {keep}"
         "To refuse instead, turn this warning into an error: "
         "`warnings.simplefilter('error', cudagraph_td.RecaptureWarning)`."
     )
@@ -94,9 +127,9 @@ def rebinds_state(name: str, paths: list[str], new: str = "a new tensor") -> str
     )
 
 
-def replaced_after_capture(name: str, changed: list[str]) -> RuntimeError:
+def replaced_after_capture(name: str, changes: Sequence[tuple[str, str]]) -> RuntimeError:
     """A graphed callable (no recapture possible) whose state was replaced."""
-    shown = ", ".join(f"`{path}`" for path in changed[:5])
+    shown = changed_paths(changes)
     return RuntimeError(
         f"{name}: state that the graph reads was replaced after the capture: {shown} (a new "
         "tensor, new memory or a new submodule; or a new module where the function finds it: "

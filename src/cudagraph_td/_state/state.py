@@ -26,7 +26,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import tensordict
 import torch
@@ -64,8 +64,18 @@ _data_ptr = torch.Tensor.data_ptr
 getitem: Callable[[Any, Any], Any] = operator.getitem  # a holder is a dict, a list or `CELLS`
 
 
+class Change(NamedTuple):
+    """A piece of state changed since the capture: its path, as messages show it, and its
+    cause (a key of `_errors.state.CAUSES`: "replaced", "rebound", "children", "flag",
+    "lengths"), which says what the warning explains."""
+
+    path: str
+    cause: str
+
+
 class RecaptureWarning(UserWarning):
-    """A graph was captured again: state that it reads was replaced after its capture.
+    """A graph was captured again: state that it reads changed after its capture (a tensor
+    or a module replaced, a ``requires_grad`` flag, an optimizer's parameter groups).
 
     Turned into an error (``warnings.simplefilter("error", RecaptureWarning)``), it refuses
     the call instead, and leaves the graph as it was: no call returns a stale result.
@@ -207,36 +217,37 @@ class State:
             tensors, followed, self.children, self.flags, self.lengths, identity=identity
         )
 
-    def changes(self) -> list[str]:
-        """The paths of the state replaced since the capture (none while ``fresh()``)."""
+    def changes(self) -> list[Change]:
+        """The state changed since the capture (none while ``fresh()``)."""
         # A model or optimizer rebound (`agent.net`) first: the old one's state, unchanged, is
         # not named.
-        changed = [path for path, *_ in rebound(self.bindings)]
+        changed = [Change(path, "rebound") for path, *_ in rebound(self.bindings)]
         for path, holder, key, value, address in self.entries:
             now = holder.get(key)
             if ((address is None or self.identity) and now is not value) or (
                 address is not None and _address(now) != address
             ):
-                changed.append(path)
+                changed.append(Change(path, "replaced"))
         for where, children, before in self.children:
             if len(children) != len(before):
-                changed.append(f"{where} (submodules added or removed)")
+                changed.append(Change(f"{where} (submodules added or removed)", "children"))
         if changed:  # the flags of replaced tensors are no news
             return changed
         for (path, _, _, tensor, _), flag in self.flags:
             if tensor.requires_grad is not flag:
-                changed.append(f"{path}.requires_grad (set to {not flag})")
+                changed.append(Change(f"{path}.requires_grad (set to {not flag})", "flag"))
         for path, sized, what, length in self.lengths:
             if len(sized) != length:
-                changed.append(f"{path} ({what})")
+                changed.append(Change(f"{path} ({what})", "lengths"))
         return changed
 
     def recapture(self, name: str) -> str:
-        """Warn that the graph of ``name`` is captured again, naming the state replaced;
-        return the warning's text."""
-        message = _errors_state.recaptured(name, self.changes())
+        """Warn that the graph of ``name`` is captured again, naming the state changed and
+        why that needs a new graph; return the paths changed, for the log's one line."""
+        changes = self.changes()
+        message = _errors_state.recaptured(name, changes)
         warnings.warn(message, RecaptureWarning, stacklevel=_caller_level())
-        return message
+        return _errors_state.changed_paths(changes)
 
 
 def _flag_followed(tensor: torch.Tensor, flags: Flags | None) -> bool:

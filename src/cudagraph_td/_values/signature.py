@@ -12,6 +12,7 @@ that names it.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import operator
 from typing import Any, cast
 
@@ -70,9 +71,13 @@ class Signature:
         *,
         allow_grad: bool = False,
         static_inputs: list[torch.Tensor] | None = None,
+        function: Any = None,
     ):
         validate(name, args, kwargs, device, allow_grad=allow_grad)
         self.name = name
+        # The Python signature of the captured function, for the advice of a call that it
+        # could not take (a required argument missing): None where it has none to read.
+        self.python_signature = _python_signature(function)
         leaves, self.spec = _tree.flatten((args, kwargs))
         is_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
         self.tensor_index = [i for i, tensor in enumerate(is_tensor) if tensor]
@@ -204,7 +209,8 @@ class Signature:
         if missing and not extra and not other and missing == walk.missing_td_keys:
             return _errors.missing_keys(self.name, missing)
         if missing or extra or other:
-            return _errors.structure_mismatch(self.name, missing, extra, other)
+            unbound = self._unbound(args, kwargs)
+            return _errors.structure_mismatch(self.name, missing, extra, other, unbound)
         # Nothing differs leaf by leaf: the structure differs in a way the walk does not name
         # (e.g. a node's metadata that is neither a key nor a batch size), or nothing does.
         received = optree.tree_structure(cast(Any, (args, kwargs)), namespace=_tree.NAMESPACE)
@@ -214,12 +220,40 @@ class Signature:
             self.name, [], [], [f"captured: {self.spec}", f"received: {received}"]
         )
 
+    def _unbound(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """Why the function could not take this call, as Python says it (``missing a required
+        argument: 'scale'``); None where it could, or where its signature does not tell (one
+        that the captured call does not bind to either)."""
+        if self.python_signature is None:
+            return None
+        try:
+            self.python_signature.bind(*self.static_args, **self.static_kwargs)
+        except TypeError:
+            return None
+        try:
+            self.python_signature.bind(*args, **kwargs)
+        except TypeError as err:
+            return str(err)
+        return None
+
     def diagnose_tensor(self, where: str, captured: Any, received: Any) -> Exception | None:
         """The error that explains how one input tensor differs from the captured one
         (device, dtype, shape, ``requires_grad``), for an input passed otherwise than in the
         captured tree and named ``where`` as the user passed it (a TensorDict module's keyword
         tensor)."""
         return _Walk(self.name).leaves(where, captured, received)
+
+
+def _python_signature(function: Any) -> inspect.Signature | None:
+    """The signature that calls of ``function`` bind to (a module's ``forward``'s), or None."""
+    if function is None:
+        return None
+    if isinstance(function, torch.nn.Module):
+        function = function.forward
+    try:
+        return inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin, or no callable: nothing to tell
+        return None
 
 
 class _Walk:
