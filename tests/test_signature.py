@@ -222,11 +222,13 @@ def test_a_missing_required_argument_of_a_graphed_callable(backend: Backend) -> 
     graphed = backend.graph_callables(
         Scaled(), (backend.randn(3, requires_grad=True),), sample_kwargs={"scale": 2.0}
     )
+    with pytest.raises(TypeError) as python:  # Python's own words, which its versions vary
+        inspect.signature(Scaled.forward).bind(None, backend.randn(3))
     message = (
         "make_graphed_callables(Scaled) was called with inputs of another structure than at "
         "capture:\n"
         '  missing: kwargs["scale"]\n'
-        "The function cannot take this call either (missing a required argument: 'scale')"
+        f"The function cannot take this call either ({python.value})"
     )
     with pytest.raises(ValueError, match=re.escape(message)):
         graphed(backend.randn(3))
