@@ -1,0 +1,302 @@
+"""Look at every page of the built docs as a reader does, in headless Chromium.
+
+Each page is loaded at 1280 px (a laptop) and at 390 px (a phone), and once more at 390 px
+after a resize from 1280 px (the code-wrapping script must follow a resize, not only a
+load). A page fails where:
+
+- the page itself scrolls sideways;
+- a table, code block, signature, image or paragraph sticks out of the text column, or is
+  clipped without a scroll bar of its own;
+- at 1280 px, a table, an API signature, or a block of an error message, a command or
+  its output needs a scroll bar of its own (at 390 px they may scroll inside themselves;
+  a Python example may at both widths);
+- an image does not load;
+- a link to another page of the site, or an anchor on one, leads nowhere.
+
+Screenshots of the nav's pages at both widths go to ``--shots`` (docs-shots/ by default,
+ignored by git) for a person to look at.
+
+Usage::
+
+    python scripts/docs_browser_check.py               # builds the site first (mkdocs)
+    python scripts/docs_browser_check.py --site SITE   # a site already built
+
+It needs Debian's ``chromium`` and ``chromium-driver`` (``apt-get install chromium
+chromium-driver``) and selenium (the ``docs`` extra). Exit status 1 lists every failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import functools
+import html.parser
+import http.server
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+
+WIDTHS = (1280, 390)
+HEIGHT = 900
+# From this width on, tables, signatures, messages and commands fit their column.
+DESKTOP = 1000
+
+# Run in the page: every layout problem, as a list of strings.
+CHECK_JS = r"""
+const desktop = arguments[0];
+const problems = [];
+const describe = (el) => {
+  let name = el.tagName.toLowerCase();
+  if (el.id) name += "#" + el.id;
+  else if (el.classList.length) name += "." + [...el.classList].slice(0, 2).join(".");
+  let heading = null;
+  for (let node = el; node && !heading; node = node.previousElementSibling || node.parentElement) {
+    if (/^H[1-6]$/.test(node.tagName)) heading = node;
+  }
+  const text = (el.innerText || el.getAttribute("src") || "").trim().replace(/\s+/g, " ");
+  const under = heading ? ` under "${heading.innerText.replace(/\s*¶$/, "").trim()}"` : "";
+  return `${name}${under} ("${text.slice(0, 60)}")`;
+};
+const root = document.documentElement;
+if (root.scrollWidth > root.clientWidth + 1) {
+  problems.push(`the page scrolls sideways: ${root.scrollWidth} px wide in ${root.clientWidth} px`);
+}
+const column = document.querySelector(".md-content");
+const right = column.getBoundingClientRect().right;
+const scrolls = (style) => ["auto", "scroll"].includes(style.overflowX);
+const clips = (style) => ["hidden", "clip"].includes(style.overflowX);
+// At 1280 px a Python example may scroll inside itself (its lines are code, wrapped as code);
+// a table, a signature, an error message or a command must fit.
+const mayScroll = (el) => {
+  const block = el.closest(".highlight");
+  return block !== null && !block.classList.contains("doc-signature") &&
+    /\blanguage-(python|py|pycon)\b/.test(block.className);
+};
+const selector = [
+  "table", "pre", "pre > code", ".md-typeset__scrollwrap", ".highlight", "img", "p", "li",
+  "h1", "h2", "h3", "h4", ".admonition", ".doc-signature", "blockquote", "dl",
+].map((s) => `.md-content ${s}`).join(", ");
+for (const el of document.querySelectorAll(selector)) {
+  const style = getComputedStyle(el);
+  if (style.display === "none" || el.getClientRects().length === 0) continue;
+  const over = el.scrollWidth - el.clientWidth;
+  if (over > 1 && clips(style)) {
+    problems.push(`clipped without a scroll bar by ${over} px: ${describe(el)}`);
+  } else if (over > 1 && scrolls(style) && desktop && !mayScroll(el)) {
+    problems.push(
+      `scrolls sideways (${el.scrollWidth} px in ${el.clientWidth} px): ${describe(el)}`);
+  }
+  // Whatever sits inside something that scrolls or clips is that container's business.
+  let inside = false;
+  for (let p = el.parentElement; p && p !== column; p = p.parentElement) {
+    const s = getComputedStyle(p);
+    if (scrolls(s) || clips(s)) { inside = true; break; }
+  }
+  const sticks = el.getBoundingClientRect().right - right;
+  if (!inside && sticks > 1) {
+    problems.push(`sticks out of the column by ${Math.round(sticks)} px: ${describe(el)}`);
+  }
+}
+for (const img of document.querySelectorAll("img")) {
+  if (!img.complete || img.naturalWidth === 0) {
+    problems.push(`image did not load: ${img.getAttribute("src")}`);
+  }
+}
+return problems;
+"""
+
+LINKS_JS = r"""
+return [...document.querySelectorAll("a[href]")].map((a) => a.href);
+"""
+
+
+class _Ids(html.parser.HTMLParser):
+    """The ids (and anchor names) of one HTML page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: set[str] = set()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        for key, value in attrs:
+            if key == "id" or (tag == "a" and key == "name"):
+                self.ids.add(value or "")
+
+
+@functools.cache
+def _page_ids(url: str) -> set[str] | None:
+    """The ids of the page at ``url``, or ``None`` when it does not load."""
+    try:
+        with urllib.request.urlopen(url) as response:
+            text = response.read().decode("utf-8", "replace")
+    except urllib.error.URLError:
+        return None
+    parser = _Ids()
+    parser.feed(text)
+    return parser.ids
+
+
+def _broken_links(page: str, hrefs: list[str], origin: str) -> Iterator[str]:
+    for href in sorted(set(hrefs)):
+        if not href.startswith(origin):
+            continue  # another site: CI cannot reach it
+        target, _, fragment = href.partition("#")
+        ids = _page_ids(target)
+        if ids is None:
+            yield f"broken link: {href[len(origin) :]}"
+        elif fragment and urllib.parse.unquote(fragment) not in ids:
+            yield f"broken anchor: {href[len(origin) :]}"
+
+
+def _serve(site: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
+    handler = functools.partial(_QuietHandler, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/"
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _driver() -> webdriver.Chrome:
+    options = webdriver.ChromeOptions()
+    options.binary_location = "/usr/bin/chromium"
+    # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        options.add_argument(flag)
+    options.add_argument(f"--window-size={WIDTHS[0]},{HEIGHT}")
+    # Debian's driver, named, so that selenium does not try to download one.
+    return webdriver.Chrome(options=options, service=Service("/usr/bin/chromedriver"))
+
+
+def _set_width(driver: webdriver.Chrome, width: int) -> None:
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": width, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": width < DESKTOP},
+    )
+
+
+def _settle(driver: webdriver.Chrome) -> None:
+    """Wait for the page, its images, fonts and scripts (the theme's, the code wrapping)."""
+    deadline = time.monotonic() + 10
+    script = (
+        "return document.readyState === 'complete' && [...document.images].every((i) => i.complete)"
+    )
+    while not driver.execute_script(script) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    driver.execute_async_script("document.fonts.ready.then(() => arguments[0]())")
+    # Two frames: the layout after the resize handlers and the theme's own scripts.
+    driver.execute_async_script(
+        "requestAnimationFrame(() => requestAnimationFrame(() => arguments[0]()))"
+    )
+
+
+def _screenshot(driver: webdriver.Chrome, path: Path, width: int) -> None:
+    height = min(int(driver.execute_script("return document.documentElement.scrollHeight")), 8000)
+    shot = driver.execute_cdp_cmd(
+        "Page.captureScreenshot",
+        {
+            "format": "png",
+            "captureBeyondViewport": True,
+            "clip": {"x": 0, "y": 0, "width": width, "height": height, "scale": 1},
+        },
+    )
+    path.write_bytes(base64.b64decode(shot["data"]))
+
+
+def _pages(site: Path) -> list[str]:
+    pages = sorted(p.relative_to(site).as_posix() for p in site.rglob("index.html"))
+    return [p.removesuffix("index.html") for p in pages]
+
+
+def _nav_pages(site: Path) -> set[str]:
+    """The pages the site's first page links from its navigation (the nav's own pages)."""
+    parser = _NavLinks()
+    parser.feed((site / "index.html").read_text())
+    return {urllib.parse.urljoin("/", href).lstrip("/") for href in parser.hrefs}
+
+
+class _NavLinks(html.parser.HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hrefs: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        values = dict(attrs)
+        if tag == "a" and "md-nav__link" in (values.get("class") or ""):
+            href = values.get("href") or ""
+            if "#" not in href and "://" not in href:
+                self.hrefs.append(href.removeprefix("./"))
+
+
+def check(site: Path, shots: Path | None) -> list[str]:
+    """Every failure on every page of ``site``, as ``page @ width: what``."""
+    server, origin = _serve(site)
+    driver = _driver()
+    failures: list[str] = []
+    nav = _nav_pages(site)
+    try:
+        for page in _pages(site):
+            url = origin + page
+            name = page.strip("/").replace("/", "-") or "index"
+            # 1280, then the same page resized to 390, then loaded afresh at 390.
+            for width, reload, label in ((1280, True, "1280"), (390, False, "390 after resize")):
+                _set_width(driver, width)
+                if reload:
+                    driver.get(url)
+                _settle(driver)
+                found = driver.execute_script(CHECK_JS, width >= DESKTOP)
+                failures += [f"/{page} @ {label}: {problem}" for problem in found]
+                if reload:
+                    links = driver.execute_script(LINKS_JS)
+                    failures += [f"/{page}: {b}" for b in _broken_links(page, links, origin)]
+                    if shots and page in nav:
+                        _screenshot(driver, shots / f"{name}-{width}.png", width)
+            driver.get(url)
+            _settle(driver)
+            found = driver.execute_script(CHECK_JS, False)
+            failures += [f"/{page} @ 390: {problem}" for problem in found]
+            if shots and page in nav:
+                _screenshot(driver, shots / f"{name}-390.png", 390)
+            print(f"checked /{page}", flush=True)
+    finally:
+        driver.quit()
+        server.shutdown()
+    return failures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--site", type=Path, help="a built site (default: build one)")
+    parser.add_argument("--shots", type=Path, default=Path("docs-shots"), help="screenshots")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as build:
+        site = args.site
+        if site is None:
+            site = Path(build)
+            command = ["mkdocs", "build", "--strict", "--quiet", "--site-dir", build]
+            subprocess.run(command, check=True)
+        args.shots.mkdir(parents=True, exist_ok=True)
+        failures = check(site, args.shots)
+    for failure in failures:
+        print("FAIL", failure)
+    pages = len(_pages(site)) if args.site else "all"
+    print(f"{len(failures)} failures; {pages} pages at 1280 and 390 px; shots in {args.shots}/")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
