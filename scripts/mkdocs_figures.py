@@ -231,9 +231,12 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
         if name.startswith("_") or function is None:
             raise PluginError(f"{page.file.src_uri}: no figure function {name!r}")
         try:
-            args = ast.literal_eval(f"({arguments},)")
+            call = ast.parse(f"f({arguments})", mode="eval").body
+            assert isinstance(call, ast.Call)
+            args = [ast.literal_eval(arg) for arg in call.args]
+            kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg}
         except (ValueError, SyntaxError) as error:
             raise PluginError(f"{page.file.src_uri}: {match[0]}: {error}") from error
-        return str(function(*args))
+        return str(function(*args, **kwargs))
 
     return PLACEHOLDER.sub(replace, markdown)
