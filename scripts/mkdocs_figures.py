@@ -14,6 +14,8 @@ Functions (all arguments are strings but ``digits``):
 - ``steps(run, script, variant)``: LeanRL scripts, median environment steps a second;
 - ``frames(run, variant)``: the torchrl SAC loop, frames a second;
 - ``mib(run, scenario)``: ``benchmarks/memory.py``, MiB reserved;
+- ``value(run, *keys, digits=0, over=None)``: any number of a JSON result file, by its keys
+  (with ``over``, its ratio to a sibling);
 - ``source(run)``: "NVIDIA H100, torch 2.11.0+cu130, 2026-11-27", linked to the report;
 - ``cpu_table(run)``: the headline table of CPU time per call, tools side by side.
 """
@@ -74,12 +76,14 @@ class Run:
         self.target = f"{RESULTS}/{name}.md" if has_page else None
 
     def _read_json(self, raw: dict[str, Any]) -> None:
-        if "meta" in raw:  # benchmarks/run.py
+        if "meta" in raw and "results" in raw:  # benchmarks/run.py
             self.meta = dict(raw["meta"])
             for result in raw["results"]:
                 self.cpu[result["workload"]] = result.get("median_cpu_us", {})
                 self.wall[result["workload"]] = result["median_us"]
                 self.skipped[result["workload"]] = result.get("skipped", {})
+        elif "meta" in raw:  # a result file of another script: its own keys, and its meta
+            self.meta = dict(raw["meta"])
         elif "runs" in raw:  # benchmarks/leanrl_scripts.py: every run records its machine
             first = next(iter(next(iter(raw["runs"].values())).values()))[0]
             self.meta = {"device": first["device"], "torch": first["torch"]}
@@ -167,6 +171,18 @@ class Figures:
             raise PluginError(f"{run}: no scenario {scenario!r}")
         return f"{raw[scenario]['reserved_mib']:,.0f}"
 
+    def value(self, run: str, *keys: str, digits: int = 0, over: str | None = None) -> str:
+        """A number of a JSON result file, by its keys; with ``over``, its ratio to the
+        number under the same keys but the last replaced by ``over``."""
+        raw, at = _run(self.docs, run).raw, []
+        for key in keys:
+            if not isinstance(raw, dict) or key not in raw:
+                raise PluginError(f"{run}: no {key!r} under {at}")
+            parent, raw, at = raw, raw[key], [*at, key]
+        if over is not None:
+            raw = raw / parent[over]
+        return f"{raw:,.{digits}f}"
+
     def source(self, run: str) -> str:
         r = _run(self.docs, run)
         target = r.target or f"{RESULTS}/{run}.json"
@@ -182,10 +198,10 @@ class Figures:
         r = _run(self.docs, run)
         columns = [
             ("eager", "eager"),
-            ("`cudagraph_td`", "cudagraph_td"),
+            ("cudagraph_td", "cudagraph_td"),
             ("tensordict's class", "tensordict"),
             ("torch's function", "floor"),
-            ("`torch.compile`", "compile"),
+            ("torch.compile", "compile"),
         ]
         rows = [
             ("tiny op (`x + 1`)", "a. tiny op", False),

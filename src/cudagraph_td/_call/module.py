@@ -68,7 +68,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
     the outputs in fresh memory, so that a result never changes when called again. An
     output that is one of the caller's input tensors, or a view of one, is returned as
     eager mode returns it on every call: the caller's tensor, or the same view of it (see
-    the sharp edges page, "Static addresses").
+    [Static addresses][static-addresses] in the docs' Sharp edges page).
 
     Inputs and outputs may be any pytree of tensors, TensorDicts, tensorclasses and
     non-tensor constants, passed positionally or by keyword. Every replay checks its inputs
