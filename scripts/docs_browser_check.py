@@ -10,6 +10,7 @@ load). A page fails where:
 - at 1280 px, a table, an API signature, or a block of an error message, a command or
   its output needs a scroll bar of its own (at 390 px they may scroll inside themselves;
   a Python example may at both widths);
+- an identifier in the text breaks mid-word (it may wrap at a joint: ".", "_", "/", ...);
 - an image does not load;
 - a link to another page of the site, or an anchor on one, leads nowhere.
 
@@ -107,6 +108,43 @@ for (const el of document.querySelectorAll(selector)) {
   if (!inside && sticks > 1) {
     problems.push(`sticks out of the column by ${Math.round(sticks)} px: ${describe(el)}`);
   }
+}
+// An identifier that wraps must wrap at a joint (after ".", "_", "/", ",", "-", or before
+// an opening bracket), never mid-word: `wait_strea` on one line and `m` on the next. A word
+// wider than the whole line (a commit hash on a phone) has to break somewhere.
+const joint = /[\s._/([,-]/;
+for (const code of document.querySelectorAll(".md-content :not(pre) > code")) {
+  if (code.getClientRects().length < 2) continue;
+  const chars = [];  // [character, top, bottom, width]
+  const walker = document.createTreeWalker(code, NodeFilter.SHOW_TEXT);
+  for (let node; (node = walker.nextNode()); ) {
+    for (let i = 0; i < node.data.length; i++) {
+      const range = document.createRange();
+      range.setStart(node, i);
+      range.setEnd(node, i + 1);
+      const rect = range.getBoundingClientRect();
+      chars.push([node.data[i], rect.top, rect.bottom, rect.width]);
+    }
+  }
+  const style = getComputedStyle(code);
+  const padding = parseFloat(style.paddingLeft) + parseFloat(style.paddingRight);
+  const line = code.parentElement.clientWidth - padding;
+  chars.forEach(([character, top, , width], i) => {
+    if (/\s/.test(character) || width === 0) return;
+    let before = i - 1;  // the last character with a place on a line
+    while (before >= 0 && chars[before][3] === 0 && !/\s/.test(chars[before][0])) before--;
+    if (before >= 0 && top >= chars[before][2] - 1 && !joint.test(chars[before][0]) &&
+        !/[([{]/.test(character)) {
+      let start = before, end = i;  // the word around the break, from joint to joint
+      while (start > 0 && !joint.test(chars[start - 1][0])) start--;
+      while (end < chars.length - 1 && !joint.test(chars[end + 1][0])) end++;
+      const wide = chars.slice(start, end + 1).reduce((sum, c) => sum + c[3], 0);
+      if (wide <= line) {
+        problems.push(
+          `an identifier breaks mid-word ("${chars[before][0]}|${character}"): ${describe(code)}`);
+      }
+    }
+  });
 }
 for (const img of document.querySelectorAll("img")) {
   if (!img.complete || img.naturalWidth === 0) {

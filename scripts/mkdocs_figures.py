@@ -12,7 +12,8 @@ Functions (all arguments are strings but ``digits``):
 - ``cpu(run, workload, variant)``, ``wall(...)``: median µs per call, one decimal;
 - ``ratio(run, workload, variant, over, kind="cpu")``: one median over another, two decimals;
 - ``steps(run, script, variant)``: LeanRL scripts, median environment steps a second;
-- ``frames(run, variant)``: the torchrl SAC loop, frames a second;
+- ``frames(run, variant, block=-1, ratio=False)``: the torchrl SAC loop, frames a second
+  (or the ratio to eager) in one of the runs the file records;
 - ``mib(run, scenario)``: ``benchmarks/memory.py``, MiB reserved;
 - ``value(run, *keys, digits=0, over=None)``: any number of a JSON result file, by its keys
   (with ``over``, its ratio to a sibling);
@@ -157,13 +158,16 @@ class Figures:
             raise PluginError(f"{run}: no {script!r} runs of {variant!r}")
         return f"{statistics.median(r['steps_per_s'] for r in runs[script][variant]):.0f}"
 
-    def frames(self, run: str, variant: str) -> str:
-        found = re.findall(
-            rf"^{re.escape(variant)}:\s+(\d+) frames/s", _run(self.docs, run).raw, re.M
-        )
-        if not found:
-            raise PluginError(f"{run}: no frames/s of {variant!r}")
-        return str(found[-1])  # the file's last table is the run with the key-order fix
+    def frames(self, run: str, variant: str, block: int = -1, ratio: bool = False) -> str:
+        """Frames a second of ``variant`` in the ``block``-th run the file records (blocks
+        start with a "# " line; the last by default), or with ``ratio``, its ratio to eager
+        as the run printed it."""
+        blocks = re.split(r"^# ", _run(self.docs, run).raw, flags=re.M)[1:]
+        pattern = rf"^{re.escape(variant)}:\s+(\d+) frames/s \(([\d.]+)x eager\)"
+        found = re.search(pattern, blocks[block], re.M)
+        if found is None:
+            raise PluginError(f"{run}: no frames/s of {variant!r} in block {block}")
+        return found[2] if ratio else found[1]
 
     def mib(self, run: str, scenario: str) -> str:
         raw = _run(self.docs, run).raw
@@ -174,7 +178,9 @@ class Figures:
     def value(self, run: str, *keys: str, digits: int = 0, over: str | None = None) -> str:
         """A number of a JSON result file, by its keys; with ``over``, its ratio to the
         number under the same keys but the last replaced by ``over``."""
-        raw, at = _run(self.docs, run).raw, []
+        raw: Any = _run(self.docs, run).raw
+        parent: dict[str, Any] = {}
+        at: list[str] = []
         for key in keys:
             if not isinstance(raw, dict) or key not in raw:
                 raise PluginError(f"{run}: no {key!r} under {at}")
