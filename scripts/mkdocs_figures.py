@@ -54,7 +54,9 @@ UNRECORDED = {
 class Run:
     """One result file: its medians by workload and variant, and its GPU, torch and date."""
 
-    def __init__(self, docs: Path, name: str) -> None:
+    def __init__(self, docs: Path, name: str, report: bool = False) -> None:
+        """The run ``name`` of ``docs``; with ``report``, from its Markdown report even where
+        its JSON result file is kept too."""
         self.name = name
         folder = docs / RESULTS
         self.meta: dict[str, Any] = {}
@@ -62,7 +64,7 @@ class Run:
         self.wall: dict[str, dict[str, float]] = {}
         self.skipped: dict[str, dict[str, str]] = {}
         self.raw: Any = None
-        if (folder / f"{name}.json").exists():
+        if (folder / f"{name}.json").exists() and not report:
             self.raw = json.loads((folder / f"{name}.json").read_text())
             self._read_json(self.raw)
         elif (folder / f"{name}.md").exists():
