@@ -48,7 +48,6 @@ from typing import Any
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 
-WIDTHS = (1280, 390)
 HEIGHT = 900
 # From this width on, tables, signatures, messages and commands fit their column.
 DESKTOP = 1000
@@ -185,7 +184,7 @@ def _page_ids(url: str) -> set[str] | None:
     return parser.ids
 
 
-def _broken_links(page: str, hrefs: list[str], origin: str) -> Iterator[str]:
+def _broken_links(hrefs: list[str], origin: str) -> Iterator[str]:
     for href in sorted(set(hrefs)):
         if not href.startswith(origin):
             continue  # another site: CI cannot reach it
@@ -215,7 +214,7 @@ def _driver() -> webdriver.Chrome:
     # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
         options.add_argument(flag)
-    options.add_argument(f"--window-size={WIDTHS[0]},{HEIGHT}")
+    options.add_argument(f"--window-size=1280,{HEIGHT}")
     # Debian's driver, named, so that selenium does not try to download one.
     return webdriver.Chrome(options=options, service=Service("/usr/bin/chromedriver"))
 
@@ -280,34 +279,36 @@ class _NavLinks(html.parser.HTMLParser):
                 self.hrefs.append(href.removeprefix("./"))
 
 
-def check(site: Path, shots: Path | None) -> list[str]:
-    """Every failure on every page of ``site``, as ``page @ width: what``."""
+def _look(driver: webdriver.Chrome, width: int) -> list[str]:
+    """The layout problems of the page loaded, laid out at ``width``."""
+    _set_width(driver, width)
+    _settle(driver)
+    return list(driver.execute_script(CHECK_JS, width >= DESKTOP))
+
+
+def check(site: Path, shots: Path) -> list[str]:
+    """Every failure on every page of ``site``, as ``/page @ width: what``; screenshots of
+    the nav's pages into ``shots``."""
     server, origin = _serve(site)
     driver = _driver()
     failures: list[str] = []
     nav = _nav_pages(site)
     try:
         for page in _pages(site):
-            url = origin + page
             name = page.strip("/").replace("/", "-") or "index"
-            # 1280, then the same page resized to 390, then loaded afresh at 390.
-            for width, reload, label in ((1280, True, "1280"), (390, False, "390 after resize")):
-                _set_width(driver, width)
-                if reload:
-                    driver.get(url)
-                _settle(driver)
-                found = driver.execute_script(CHECK_JS, width >= DESKTOP)
-                failures += [f"/{page} @ {label}: {problem}" for problem in found]
-                if reload:
-                    links = driver.execute_script(LINKS_JS)
-                    failures += [f"/{page}: {b}" for b in _broken_links(page, links, origin)]
-                    if shots and page in nav:
-                        _screenshot(driver, shots / f"{name}-{width}.png", width)
-            driver.get(url)
-            _settle(driver)
-            found = driver.execute_script(CHECK_JS, False)
-            failures += [f"/{page} @ 390: {problem}" for problem in found]
-            if shots and page in nav:
+            # Loaded at 1280 px, then narrowed to 390 px (the scripts' resize handlers), then
+            # loaded afresh at 390 px.
+            _set_width(driver, 1280)
+            driver.get(origin + page)
+            failures += [f"/{page} @ 1280: {p}" for p in _look(driver, 1280)]
+            links = driver.execute_script(LINKS_JS)
+            failures += [f"/{page}: {broken}" for broken in _broken_links(links, origin)]
+            if page in nav:
+                _screenshot(driver, shots / f"{name}-1280.png", 1280)
+            failures += [f"/{page} @ 390 after resize: {p}" for p in _look(driver, 390)]
+            driver.get(origin + page)
+            failures += [f"/{page} @ 390: {p}" for p in _look(driver, 390)]
+            if page in nav:
                 _screenshot(driver, shots / f"{name}-390.png", 390)
             print(f"checked /{page}", flush=True)
     finally:
@@ -321,17 +322,17 @@ def main() -> int:
     parser.add_argument("--site", type=Path, help="a built site (default: build one)")
     parser.add_argument("--shots", type=Path, default=Path("docs-shots"), help="screenshots")
     args = parser.parse_args()
+    args.shots.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as build:
         site = args.site
         if site is None:
             site = Path(build)
             command = ["mkdocs", "build", "--strict", "--quiet", "--site-dir", build]
             subprocess.run(command, check=True)
-        args.shots.mkdir(parents=True, exist_ok=True)
+        pages = len(_pages(site))
         failures = check(site, args.shots)
     for failure in failures:
         print("FAIL", failure)
-    pages = len(_pages(site)) if args.site else "all"
     print(f"{len(failures)} failures; {pages} pages at 1280 and 390 px; shots in {args.shots}/")
     return 1 if failures else 0
 
