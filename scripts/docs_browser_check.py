@@ -211,8 +211,19 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 def _driver() -> webdriver.Chrome:
     options = webdriver.ChromeOptions()
     options.binary_location = "/usr/bin/chromium"
-    # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+    # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start. The rest keep
+    # it off the network (CI reaches none but the package indexes) and off /dev/shm.
+    flags = (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+    )
+    for flag in flags:
         options.add_argument(flag)
     options.add_argument(f"--window-size=1280,{HEIGHT}")
     # Debian's driver, named, so that selenium does not try to download one.

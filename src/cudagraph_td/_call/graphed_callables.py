@@ -45,10 +45,10 @@ def make_graphed_callables(
     and constants; keyword arguments are given with ``sample_kwargs``; outputs that do not
     require grad and constant outputs are allowed; gradients are returned in fresh memory, so
     that two backward passes accumulate as in eager mode; every call's inputs are checked
-    against the samples (see the docs' [Sharp edges][sharp-edges] page), but for
-    ``requires_grad``, which may differ, as with torch's (a backward that needs a gradient
-    the graphs do not compute raises). A module captured in training mode runs its
-    original forward in eval mode, and the reverse, as torch's does.
+    against the samples (see the docs' Sharp edges page), but for ``requires_grad``, which
+    may differ, as with torch's (a backward that needs a gradient the graphs do not compute
+    raises). A module captured in training mode runs its original forward in eval mode,
+    and the reverse, as torch's does.
 
     Args:
         callables: A callable or ``torch.nn.Module``, or a tuple of them.
@@ -79,7 +79,7 @@ def make_graphed_callables(
             ``zero_grad(set_to_none=True)`` before each backward (torch's documented loop),
             a parameter's ``.grad`` may be the lent gradient itself; accumulating into it over
             two backward passes then raises: accumulate with ``"fresh"``. See the docs'
-            [Borrowed outputs][borrowed-outputs-and-inputs-in-place] page.
+            Borrowed outputs page.
 
     Returns:
         The graphed callable (the same module, with its ``forward`` replaced, for a module),

@@ -68,7 +68,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
     the outputs in fresh memory, so that a result never changes when called again. An
     output that is one of the caller's input tensors, or a view of one, is returned as
     eager mode returns it on every call: the caller's tensor, or the same view of it (see
-    [Static addresses][static-addresses] in the docs' Sharp edges page).
+    the sharp edges page, "Static addresses").
 
     Inputs and outputs may be any pytree of tensors, TensorDicts, tensorclasses and
     non-tensor constants, passed positionally or by keyword. Every replay checks its inputs
@@ -86,19 +86,19 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
     The wrapper keeps graphs per mode that changes what the function computes (grad mode,
     a module's training mode, tensordict's interaction type, the autocast state), per device
     (see ``device``), per value of the arguments declared ``static`` and, with
-    ``shapes=Exact()`` or ``shapes=Buckets()``, per input shape (see
-    [Several shapes][several-shapes] in the docs' Sharp edges page). In grad mode, when the
-    captured outputs require grad, the forward and its backward are captured inside one
-    autograd node (see ``make_graphed_callables``), so ``loss.backward()`` replays the
-    backward graph; under ``torch.no_grad()`` a plain graph. Without CUDA (and with
-    ``backend="auto"``), the constructor warns once and every call runs the function
-    directly. See the docs' [Sharp edges][sharp-edges] page for what a graph cannot capture.
+    ``shapes=Exact()`` or ``shapes=Buckets()``, per input shape (see "Several shapes" in the
+    docs' Sharp edges page). In grad mode, when the captured outputs require grad, the
+    forward and its backward are captured inside one autograd node (see
+    ``make_graphed_callables``), so ``loss.backward()`` replays the backward graph; under
+    ``torch.no_grad()`` a plain graph. Without CUDA (and with ``backend="auto"``), the
+    constructor warns once and every call runs the function directly. See the docs' Sharp
+    edges page for what a graph cannot capture.
 
     Args:
         module: The function, ``torch.nn.Module`` or TensorDictModule to capture.
         warmup: The call that captures the graph; the calls before it are eager warm-ups.
             A ``torch.compile``d function needs enough warm-up calls to finish compiling:
-            ``warmup=3`` (see the docs' [Training steps][training-steps-in-one-graph] page).
+            ``warmup=3`` (see the docs' Training steps page).
         in_keys: The input keys, for a module that takes a TensorDict. Taken from
             ``module.in_keys`` when the module has them.
         out_keys: The output keys, for a module that returns a TensorDict. Taken from
@@ -106,14 +106,14 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         device: The CUDA device of the graphs. By default, the device of each call's first
             CUDA tensor input (else the current one) has graphs of its own, unless the
             function reaches parameters or optimizer state on another (see the docs'
-            [Several GPUs][several-gpus] page).
+            Several GPUs page).
         pool: A memory pool (``torch.cuda.graph_pool_handle()``, another wrapper's
             ``pool()``, or another graph's) to share with other graphs. Defaults to a pool
             of the wrapper's own, shared by its graphs (a graph captured for autograd takes
             one of its own).
         capture_error_mode: Passed to ``torch.cuda.CUDAGraph.capture_begin``: one of
             ``"global"``, ``"thread_local"`` (taken for ``"global"`` by a step that calls a
-            DDP module: see the docs' [Several GPUs][several-gpus] page), ``"relaxed"``.
+            DDP module: see the docs' Several GPUs page), ``"relaxed"``.
         backend: ``"cuda"`` for CUDA graphs; ``"emulate"`` for the CPU emulation of their
             contract (static buffers, outputs overwritten at each replay), which lets the
             code that uses the wrapper be tested on a machine without a GPU (experimental);
@@ -121,7 +121,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         verify: How many replays, after the capture, also run the function eagerly on
             copies of their inputs and compare the results and the inputs updated in place,
             raising a ``VerificationError`` that names the first leaf that differs and its
-            likely cause (see the docs' [Sharp edges][sharp-edges] page).
+            likely cause (see the docs' Sharp edges page).
             A debugging aid: a verified replay synchronises the host and costs an eager
             call more. It cannot check a training step, nor a function that draws random
             numbers. Counted per graph. Defaults to 0.
@@ -148,7 +148,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             TensorDict module writes into the caller's TensorDict are lent the same way;
             outputs that are the caller's inputs stay the caller's). With
             ``input_buffers()``, a call moves no memory but the graph's launch. See the docs'
-            [Borrowed outputs][borrowed-outputs-and-inputs-in-place] page.
+            Borrowed outputs page.
         **deprecated: ``buckets=``, ``max_graphs=``, ``batch_dims=``, ``overflow=`` and
             ``row_independent=``, the shape options before ``shapes=`` took one value:
             still accepted, folded into ``shapes`` with a ``FutureWarning`` that gives the
@@ -479,8 +479,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         not copied again. Every call is still checked. The buffers stay the graph's until it
         is captured again (a replaced parameter) or the wrapper is reset: a call with old
         buffers then copies them in, as any input. With ``outputs="borrowed"``, a call
-        moves no memory at all but the launch. See the docs'
-        [Borrowed outputs][borrowed-outputs-and-inputs-in-place] page.
+        moves no memory at all but the launch. See the docs' Borrowed outputs page.
 
         Raises:
             RuntimeError: No graph answers such calls yet (call the wrapper ``warmup`` times,

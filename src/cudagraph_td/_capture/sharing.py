@@ -223,7 +223,7 @@ def capture_stream(device: torch.device | int | str | None = None) -> torch.cuda
     Objects that autograd ties to a stream when they are made must be made on it, for
     their backward to be captured: build a
     ``DistributedDataParallel`` whose training step you capture
-    whole under it (see the docs' [Several GPUs][several-gpus] page).
+    whole under it (see the docs' Several GPUs page).
 
     Examples:
         >>> with torch.cuda.stream(cudagraph_td.capture_stream()):  # doctest: +SKIP

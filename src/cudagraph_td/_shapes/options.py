@@ -128,8 +128,8 @@ class Buckets:
 
     For functions whose output rows depend on their own input row only (policies,
     inference). The first time a bucket pads a call, the function is checked for it (see
-    [Several shapes][several-shapes] in the docs' Sharp edges page); padding is refused in
-    grad mode and for training steps unless ``row_independent=True``.
+    "Several shapes" in the docs' Sharp edges page); padding is refused in grad mode and
+    for training steps unless ``row_independent=True``.
 
     Args:
         sizes: The bucket sizes, kept sorted as a tuple; the first capture captures them
