@@ -14,6 +14,9 @@ load). A page fails where:
 - an image does not load;
 - a link to another page of the site, or an anchor on one, leads nowhere.
 
+A message or command whose source lines are wider than the column at 1280 px, and wrap
+raggedly there, is printed as a NOTE (rewrap it to 80 columns), not a failure.
+
 Screenshots of the nav's pages at both widths go to ``--shots`` (docs-shots/ by default,
 ignored by git) for a person to look at.
 
@@ -148,6 +151,21 @@ for (const code of document.querySelectorAll(".md-content :not(pre) > code")) {
 for (const img of document.querySelectorAll("img")) {
   if (!img.complete || img.naturalWidth === 0) {
     problems.push(`image did not load: ${img.getAttribute("src")}`);
+  }
+}
+// Not a failure, a note: a message or a command whose source lines are longer than the
+// column at 1280 px wraps them raggedly (rewrap its source to 80 columns).
+if (desktop) {
+  for (const code of document.querySelectorAll(
+      ".md-content .language-text pre > code, .md-content .language-bash pre > code")) {
+    const lines = code.textContent.replace(/\n$/, "").split("\n").length;
+    const style = getComputedStyle(code);
+    const height = code.clientHeight - parseFloat(style.paddingTop) -
+      parseFloat(style.paddingBottom);
+    const shown = Math.round(height / parseFloat(style.lineHeight));
+    if (shown > lines) {
+      problems.push(`NOTE ${lines} source lines shown as ${shown}: ${describe(code)}`);
+    }
   }
 }
 return problems;
@@ -291,18 +309,19 @@ class _NavLinks(html.parser.HTMLParser):
 
 
 def _look(driver: webdriver.Chrome, width: int) -> list[str]:
-    """The layout problems of the page loaded, laid out at ``width``."""
+    """The layout problems of the page loaded, laid out at ``width``; a note (what a reader
+    would rather not see, but may) starts with "NOTE "."""
     _set_width(driver, width)
     _settle(driver)
     return list(driver.execute_script(CHECK_JS, width >= DESKTOP))
 
 
-def check(site: Path, shots: Path) -> list[str]:
-    """Every failure on every page of ``site``, as ``/page @ width: what``; screenshots of
-    the nav's pages into ``shots``."""
+def check(site: Path, shots: Path) -> tuple[list[str], list[str]]:
+    """Every failure on every page of ``site``, as ``/page @ width: what``, and the notes;
+    screenshots of the nav's pages into ``shots``."""
     server, origin = _serve(site)
     driver = _driver()
-    failures: list[str] = []
+    found: list[str] = []
     nav = _nav_pages(site)
     try:
         for page in _pages(site):
@@ -311,21 +330,22 @@ def check(site: Path, shots: Path) -> list[str]:
             # loaded afresh at 390 px.
             _set_width(driver, 1280)
             driver.get(origin + page)
-            failures += [f"/{page} @ 1280: {p}" for p in _look(driver, 1280)]
+            found += [f"/{page} @ 1280: {p}" for p in _look(driver, 1280)]
             links = driver.execute_script(LINKS_JS)
-            failures += [f"/{page}: {broken}" for broken in _broken_links(links, origin)]
+            found += [f"/{page}: {broken}" for broken in _broken_links(links, origin)]
             if page in nav:
                 _screenshot(driver, shots / f"{name}-1280.png", 1280)
-            failures += [f"/{page} @ 390 after resize: {p}" for p in _look(driver, 390)]
+            found += [f"/{page} @ 390 after resize: {p}" for p in _look(driver, 390)]
             driver.get(origin + page)
-            failures += [f"/{page} @ 390: {p}" for p in _look(driver, 390)]
+            found += [f"/{page} @ 390: {p}" for p in _look(driver, 390)]
             if page in nav:
                 _screenshot(driver, shots / f"{name}-390.png", 390)
             print(f"checked /{page}", flush=True)
     finally:
         driver.quit()
         server.shutdown()
-    return failures
+    notes = [f.replace(": NOTE ", ": ", 1) for f in found if ": NOTE " in f]
+    return [f for f in found if ": NOTE " not in f], notes
 
 
 def main() -> int:
@@ -341,7 +361,9 @@ def main() -> int:
             command = ["mkdocs", "build", "--strict", "--quiet", "--site-dir", build]
             subprocess.run(command, check=True)
         pages = len(_pages(site))
-        failures = check(site, args.shots)
+        failures, notes = check(site, args.shots)
+    for note in notes:
+        print("NOTE", note)
     for failure in failures:
         print("FAIL", failure)
     print(f"{len(failures)} failures; {pages} pages at 1280 and 390 px; shots in {args.shots}/")
