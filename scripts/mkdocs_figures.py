@@ -219,6 +219,7 @@ class Figures:
             ("the same in grad mode", "c. policy, grad mode", True),
             ("SAC update (a whole step)", "d. SAC update", False),
             ("forward and backward", "e. forward+backward", True),
+            ("torch's documented training loop", "e2. torch's documented loop", True),
             ("random batch 1-64 (`Buckets`)", "f. policy, random batch", False),
         ]
         lines = [
