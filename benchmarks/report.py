@@ -19,28 +19,30 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "" if a is None or b is None else f"{a / b:.2f}"
 
 
-def table(results: list[dict[str, Any]]) -> str:
-    """One row per workload and variant: median µs per call, wall and CPU, and ratios."""
+def table(results: list[dict[str, Any]], kind: str = "wall") -> str:
+    """One row per workload and variant: median µs per call of ``kind`` (``"wall"`` or
+    ``"CPU"``) and its ratios to the floor and to tensordict's class. A variant that was not
+    timed gets a footnote with the reason, below the table."""
+    key = "median_us" if kind == "wall" else "median_cpu_us"
     lines = [
-        "| workload | variant | wall µs/call | / floor | / tensordict | CPU µs/call | / floor "
-        "| / tensordict |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| workload | variant | {kind} µs/call | / floor | / tensordict |",
+        "| --- | --- | ---: | ---: | ---: |",
     ]
+    notes = []
     for result in results:
-        wall, cpu = result["median_us"], result.get("median_cpu_us", {})
-        for variant, us in wall.items():
+        times = result.get(key, {})
+        for variant, us in times.items():
             name = f"**{variant}**" if variant.startswith(OURS) else variant
             row = [result["workload"], name, f"{us:.1f}"]
-            row += [_ratio(us, wall.get(FLOOR)), _ratio(us, wall.get(TD))]
-            c = cpu.get(variant)
-            row += [
-                "" if c is None else f"{c:.1f}",
-                _ratio(c, cpu.get(FLOOR)),
-                _ratio(c, cpu.get(TD)),
-            ]
+            row += [_ratio(us, times.get(FLOOR)), _ratio(us, times.get(TD))]
             lines.append("| " + " | ".join(row) + " |")
         for variant, why in result.get("skipped", {}).items():
-            lines.append(f"| {result['workload']} | {variant} | n/a: {why} | | | | | |")
+            notes.append(why.replace("|", "/"))
+            label = f"{kind.lower()}-{len(notes)}"
+            lines.append(f"| {result['workload']} | {variant} | n/a[^{label}] | | |")
+    if notes:
+        lines.append("")
+        lines += [f"[^{kind.lower()}-{i}]: {why}" for i, why in enumerate(notes, 1)]
     return "\n".join(lines)
 
 
@@ -63,33 +65,29 @@ def steady_ratios(result: dict[str, Any], variant: str) -> tuple[float | None, f
     return ratios[0], ratios[1]
 
 
-def steady_table(results: list[dict[str, Any]]) -> str:
+def steady_table(results: list[dict[str, Any]], kind: str = "CPU") -> str:
     """Workloads g and h: each variant that takes turns between two modes or shapes, against
-    the mean of its steady variants (the same construction called in one of them only)."""
+    the mean of its steady variants (the same construction called in one of them only), in
+    ``kind`` time (``"CPU"`` or ``"wall"``)."""
     lines = [
-        "| workload | variant | steady variants | CPU µs/call, in turn | CPU, steady mean "
-        "| **CPU in turn / steady** | wall µs/call, in turn | wall, steady mean "
-        "| wall in turn / steady |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| workload | variant | {kind} µs/call, in turn | steady mean | **in turn / steady** |",
+        "| --- | --- | ---: | ---: | ---: |",
     ]
+    key = "median_cpu_us" if kind == "CPU" else "median_us"
     for result in results:
-        wall, cpu = result["median_us"], result.get("median_cpu_us", {})
+        times = result.get(key, {})
         for variant, steady in result.get("steady", {}).items():
-            if variant not in wall:
+            if variant not in times:
                 continue  # not timed (see the skipped variants of the time table)
-            cpu_mean, wall_mean = _steady_mean(cpu, steady), _steady_mean(wall, steady)
-            cpu_ratio, wall_ratio = steady_ratios(result, variant)
+            mean = _steady_mean(times, steady)
+            ratio = steady_ratios(result, variant)[0 if kind == "CPU" else 1]
             name = f"**{variant}**" if variant.startswith(OURS) else variant
             row = [
                 result["workload"],
                 name,
-                " + ".join(f"`{s}`" for s in steady),
-                f"{cpu[variant]:.1f}" if variant in cpu else "",
-                "" if cpu_mean is None else f"{cpu_mean:.1f}",
-                "" if cpu_ratio is None else f"**{cpu_ratio:.3f}**",
-                f"{wall[variant]:.1f}",
-                "" if wall_mean is None else f"{wall_mean:.1f}",
-                "" if wall_ratio is None else f"{wall_ratio:.3f}",
+                f"{times[variant]:.1f}",
+                "" if mean is None else f"{mean:.1f}",
+                "" if ratio is None else f"**{ratio:.3f}**",
             ]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -317,9 +315,13 @@ def markdown(data: dict[str, Any]) -> str:
         "*CPU*: the time to issue a call, the GPU work not waited for (see "
         "`benchmarks/run.py`).",
         "",
-        "## Time per call",
+        "## Time per call, wall",
         "",
-        table(data["results"]),
+        table(data["results"], "wall"),
+        "",
+        "## Time per call, CPU",
+        "",
+        table(data["results"], "CPU"),
         "",
         "## Targets",
         "",
@@ -339,9 +341,13 @@ def markdown(data: dict[str, Any]) -> str:
             "Each variant called in turn in two modes (g: `torch.no_grad()`, grad mode) or "
             "with two shapes (h: two memory lengths), against the mean of its steady "
             "variants: the same construction, made anew, called in one mode or with one "
-            "shape only. 1.00: taking turns costs nothing.",
+            "shape only (`<variant>, no_grad only` and `<variant>, grad only`, or "
+            "`<variant>, length 32 only` and `<variant>, length 48 only`). 1.00: taking turns "
+            "costs nothing.",
             "",
-            steady_table(data["results"]),
+            steady_table(data["results"], "CPU"),
+            "",
+            steady_table(data["results"], "wall"),
         ]
     lines += [
         "",

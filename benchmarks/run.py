@@ -310,9 +310,9 @@ def main() -> None:
         print(f"== {workload.name}", flush=True)
         results.append(measure(workload, args))
         captures.append(capture_cost(workload))
-        print(report.table([results[-1]]), flush=True)
+        print(report.table([results[-1]], "wall"), report.table([results[-1]], "CPU"), sep="\n\n")
         if results[-1]["steady"]:
-            print(report.steady_table([results[-1]]), flush=True)
+            print(report.steady_table([results[-1]], "CPU"), flush=True)
     meta = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,

@@ -4,7 +4,8 @@
 // <wbr> (a line-break opportunity that copies as nothing) follows each ".", "_", "/", "(",
 // "[" and "," inside a name (not at its ends, nor before a closing bracket): always in the
 // code of tables and in the API page's object names, and elsewhere only in an identifier that
-// did not fit on a line (one that fits still moves to the next line whole).
+// did not fit on a line (one that fits still moves to the next line whole), checked on load
+// and after each resize.
 const joint = /(?<=[^\s._/([,])([._/([,])(?=[^\s._/([,)\]])/g;
 
 function addJoints(element) {
@@ -24,10 +25,24 @@ function addJoints(element) {
   }
 }
 
-document$.subscribe(() => {
+// An element already given its joints is marked, so that a second pass leaves it alone.
+function wrapCode() {
   const narrow = "td code, th code, .doc-object-name";
   for (const element of document.querySelectorAll(`.md-typeset :not(pre) > code, ${narrow}`)) {
+    if (element.dataset.joints) continue;
     const split = !/\s/.test(element.textContent) && element.getClientRects().length > 1;
-    if (split || element.matches(narrow)) addJoints(element);
+    if (split || element.matches(narrow)) {
+      addJoints(element);
+      element.dataset.joints = "1";
+    }
   }
+}
+
+// On load, and again when the window narrows (a phone turned, a window resized): a name that
+// fitted its line at the first width may not at the next.
+document$.subscribe(wrapCode);
+let pending = null;
+window.addEventListener("resize", () => {
+  cancelAnimationFrame(pending);
+  pending = requestAnimationFrame(wrapCode);
 });
