@@ -71,3 +71,71 @@ def test_a_figure_that_is_not_in_the_file_fails_the_build(
     page: Any = type("Page", (), {"file": type("File", (), {"src_uri": "index.md"})()})()
     with pytest.raises(figures.PluginError, match=re.escape(error)):
         figures.on_page_markdown(placeholder, page, {"docs_dir": str(DOCS)}, None)
+
+
+# A figure on a page: a number with a unit of time, speed, size or ratio, a decimal, a
+# number with thousands separators, or a number alone in a table cell. Not a figure: code
+# (blocks and `spans`), HTML comments, link targets, dates, versions (2.11.0, "torch 2.11"),
+# targets (<= 1.05) and what NOT_FIGURES names.
+_SKIP = [
+    re.compile(r"^(```|~~~).*?^\1", re.M | re.S),
+    re.compile(r"<!--.*?-->", re.S),
+    re.compile(r"\{\{.*?\}\}", re.S),
+    re.compile(r"`[^`\n]*`"),
+    re.compile(r"\]\([^)\s]*\)"),
+    re.compile(r"\b\d{4}-\d\d-\d\d\b"),
+    re.compile(r"\b\d+\.\d+\.\d+\S*"),
+    re.compile(r"\b(?:torch|PyTorch|tensordict|torchrl|Python) \d+\.\d+(?: and \d+\.\d+)?\b"),
+    re.compile(r"[<>]= ?\d+(?:\.\d+)?x?"),
+]
+_UNIT = (
+    r"µs|us|ms|ns|s|x|%|steps/s|frames/s|(?:environment )?steps a second|frames a second"
+    r"|MiB|GiB|KiB|bytes"
+)
+_FIGURE = re.compile(
+    rf"(?<![\w.#-])[+-]?\d[\d,]*(?:\.\d+)?\s*(?:{_UNIT})(?![\w/])"
+    r"|(?<![\w.#/])[+-]?\d+\.\d+(?![\w.])"
+    r"|(?<![\w.])\d{1,3}(?:,\d{3})+(?![\d])"
+)
+_CELL = re.compile(r"\**[+-]?\d[\d,.]*x?\**")
+# Numbers that are not measurements: settings, sizes the library or the hardware fixes.
+NOT_FIGURES = {
+    "sharp-edges.md": ["1 MiB", "2 MiB", "32 MiB"],  # a threshold, a segment, cuBLAS's
+    "benchmarks.md": ["16 calls", "0.4 s", "0.05 s"],  # the method's settings
+    "runs/2026-11-27-borrowed-call.md": ["16 calls"],
+}
+# Tables whose numbers are not figures, by their first header cell.
+NOT_FIGURE_TABLES = {"layer"}
+
+
+def _figures(page: pathlib.Path) -> list[str]:
+    """Every figure of ``page`` that no placeholder writes: ``file:line: figure``."""
+    text = page.read_text()
+    name = page.relative_to(DOCS).as_posix()
+    for pattern in [*_SKIP, *(re.compile(re.escape(s)) for s in NOT_FIGURES.get(name, []))]:
+        # Blanked, not removed: line numbers stay, and no number runs into a unit.
+        text = pattern.sub(lambda m: re.sub(r"[^\n]", "_", m[0]), text)
+    found = [
+        f"{name}:{text.count(chr(10), 0, m.start()) + 1}: {' '.join(m[0].split())}"
+        for m in _FIGURE.finditer(text)
+    ]
+    header = ""
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.startswith("|"):
+            header = ""
+        elif not header:
+            header = line.strip("| ").split("|")[0].strip()
+        elif header not in NOT_FIGURE_TABLES:
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            found += [f"{name}:{number}: {c}" for c in cells if _CELL.fullmatch(c)]
+    return sorted(set(found), key=lambda f: int(f.split(":")[1]))
+
+
+PAGES = sorted(p for p in DOCS.rglob("*.md") if p.parent.name != "benchmarks")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(DOCS).as_posix() for p in PAGES])
+def test_every_figure_on_a_page_comes_from_a_result_file(page: pathlib.Path) -> None:
+    """A number quoted by hand can disagree with its run, and names no GPU, torch or date:
+    write it as a placeholder ({{ value(...) }}, {{ cell(...) }}, ...) of a result file."""
+    assert _figures(page) == []
