@@ -18,7 +18,11 @@ Functions (all arguments are strings but ``digits``):
 - ``value(run, *keys, digits=0, over=None)``: any number of a JSON result file, by its keys
   (with ``over``, its ratio to a sibling);
 - ``source(run)``: "NVIDIA H100, torch 2.11.0+cu130, 2026-11-27", linked to the report;
-- ``cpu_table(run)``: the headline table of CPU time per call, tools side by side.
+- ``cpu_table(run)``: the headline table of CPU time per call, tools side by side;
+- ``table(run, heading)``: the table under ``heading`` in a run's Markdown report, as it is;
+- ``cell(run, heading, *row, column=...)``: one cell of it, the row named by its first cells.
+
+A number on a page that none of these writes is caught by ``tests/test_docs_figures.py``.
 """
 
 from __future__ import annotations
@@ -191,6 +195,24 @@ class Figures:
             raw = raw / parent[over]
         return f"{raw:,.{digits}f}"
 
+    def table(self, run: str, heading: str) -> str:
+        """The table under ``heading`` (a line of the report, "## Targets") in ``run``'s
+        Markdown report, with its footnotes, as the run wrote it."""
+        return "\n".join(_report_table(self.docs, run, heading))
+
+    def cell(self, run: str, heading: str, *row: str, column: str) -> str:
+        """The cell of ``column`` in the row whose first cells are ``row`` (bold marks
+        ignored), in the table under ``heading`` of ``run``'s report."""
+        lines = [x for x in _report_table(self.docs, run, heading) if x.startswith("|")]
+        header = _cells(lines[0])
+        if column not in header:
+            raise PluginError(f"{run}: {heading!r} has no column {column!r}")
+        for line in lines[2:]:
+            cells = _cells(line)
+            if cells[: len(row)] == list(row):
+                return cells[header.index(column)]
+        raise PluginError(f"{run}: {heading!r} has no row {list(row)!r}")
+
     def source(self, run: str) -> str:
         r = _run(self.docs, run)
         target = r.target or f"{RESULTS}/{run}.json"
@@ -245,6 +267,33 @@ class Figures:
         for i, note in enumerate(notes, 1):
             lines.append(f"[^{run}-{i}]: {note.replace('|', '/')}")
         return "\n".join(lines)
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip().strip("*") for c in line.strip().strip("|").split("|")]
+
+
+@functools.cache
+def _report_table(docs: str, run: str, heading: str) -> list[str]:
+    """The lines of the first table under ``heading`` in ``run``'s report, and the footnotes
+    that its cells name."""
+    path = Path(docs) / RESULTS / f"{run}.md"
+    if not path.exists():
+        raise PluginError(f"no report docs/{RESULTS}/{run}.md")
+    lines = path.read_text().splitlines()
+    if heading not in lines:
+        raise PluginError(f"{run}.md: no heading {heading!r}")
+    rows = []
+    for line in lines[lines.index(heading) + 1 :]:
+        if line.startswith("#"):
+            break
+        if line.startswith("|"):
+            rows.append(line)
+        elif rows:
+            break
+    notes = set(re.findall(r"\[\^([\w-]+)\]", "\n".join(rows)))
+    footnotes = [x for x in lines if (m := re.match(r"\[\^([\w-]+)\]:", x)) and m[1] in notes]
+    return rows + ([""] + footnotes if footnotes else [])
 
 
 def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:
