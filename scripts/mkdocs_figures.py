@@ -16,11 +16,12 @@ Functions (all arguments are strings but ``digits``):
   (or the ratio to eager) in one of the runs the file records;
 - ``mib(run, scenario)``: ``benchmarks/memory.py``, MiB reserved;
 - ``value(run, *keys, digits=0, over=None)``: any number of a JSON result file, by its keys
-  (with ``over``, its ratio to a sibling);
+  or list indexes (with ``over``, its ratio to a sibling);
 - ``source(run)``: "NVIDIA H100, torch 2.11.0+cu130, 2026-11-27", linked to the report;
 - ``cpu_table(run)``: the headline table of CPU time per call, tools side by side;
 - ``table(run, heading)``: the table under ``heading`` in a run's Markdown report, as it is;
-- ``cell(run, heading, *row, column=...)``: one cell of it, the row named by its first cells.
+- ``cell(run, heading, *row, column=..., number=False)``: one cell of it, the row named by
+  its first cells (with ``number``, the cell's first number).
 
 A number on a page that none of these writes is caught by ``tests/test_docs_figures.py``.
 """
@@ -181,14 +182,16 @@ class Figures:
             raise PluginError(f"{run}: no scenario {scenario!r}")
         return f"{raw[scenario]['reserved_mib']:,.0f}"
 
-    def value(self, run: str, *keys: str, digits: int = 0, over: str | None = None) -> str:
-        """A number of a JSON result file, by its keys; with ``over``, its ratio to the
-        number under the same keys but the last replaced by ``over``."""
+    def value(self, run: str, *keys: str | int, digits: int = 0, over: str | None = None) -> str:
+        """A number of a JSON result file, by its keys (an index for a list: a range's
+        ``0`` and ``1``); with ``over``, its ratio to the number under the same keys but the
+        last replaced by ``over``."""
         raw: Any = _run(self.docs, run).raw
-        parent: dict[str, Any] = {}
-        at: list[str] = []
+        parent: Any = {}
+        at: list[str | int] = []
         for key in keys:
-            if not isinstance(raw, dict) or key not in raw:
+            listed = isinstance(raw, list) and isinstance(key, int) and -len(raw) <= key < len(raw)
+            if not listed and (not isinstance(raw, dict) or key not in raw):
                 raise PluginError(f"{run}: no {key!r} under {at}")
             parent, raw, at = raw, raw[key], [*at, key]
         if over is not None:
@@ -200,9 +203,10 @@ class Figures:
         Markdown report, with its footnotes, as the run wrote it."""
         return "\n".join(_report_table(self.docs, run, heading))
 
-    def cell(self, run: str, heading: str, *row: str, column: str) -> str:
+    def cell(self, run: str, heading: str, *row: str, column: str, number: bool = False) -> str:
         """The cell of ``column`` in the row whose first cells are ``row`` (bold marks
-        ignored), in the table under ``heading`` of ``run``'s report."""
+        ignored), in the table under ``heading`` of ``run``'s report; with ``number``, the
+        first number in it ("0.854" of "0.854 (CPU: 1.047)")."""
         lines = [x for x in _report_table(self.docs, run, heading) if x.startswith("|")]
         header = _cells(lines[0])
         if column not in header:
@@ -210,7 +214,11 @@ class Figures:
         for line in lines[2:]:
             cells = _cells(line)
             if cells[: len(row)] == list(row):
-                return cells[header.index(column)]
+                text = cells[header.index(column)]
+                found = re.search(r"[+-]?\d+(?:\.\d+)?", text)
+                if number and found is None:
+                    raise PluginError(f"{run}: no number in {text!r} ({list(row)!r})")
+                return found[0] if number and found else text
         raise PluginError(f"{run}: {heading!r} has no row {list(row)!r}")
 
     def source(self, run: str) -> str:

@@ -76,7 +76,7 @@ def test_a_figure_that_is_not_in_the_file_fails_the_build(
 # A figure on a page: a number with a unit of time, speed, size or ratio, a decimal, a
 # number with thousands separators, or a number alone in a table cell. Not a figure: code
 # (blocks and `spans`), HTML comments, link targets, dates, versions (2.11.0, "torch 2.11"),
-# targets (<= 1.05) and what NOT_FIGURES names.
+# targets (<= 1.05, target 2.0x, within 0.02) and what NOT_FIGURES names.
 _SKIP = [
     re.compile(r"^(```|~~~).*?^\1", re.M | re.S),
     re.compile(r"<!--.*?-->", re.S),
@@ -86,14 +86,15 @@ _SKIP = [
     re.compile(r"\b\d{4}-\d\d-\d\d\b"),
     re.compile(r"\b\d+\.\d+\.\d+\S*"),
     re.compile(r"\b(?:torch|PyTorch|tensordict|torchrl|Python) \d+\.\d+(?: and \d+\.\d+)?\b"),
-    re.compile(r"[<>]= ?\d+(?:\.\d+)?x?"),
+    re.compile(r"(?:[<>]=|[Tt]argets?:?(?: of)?|within) ?\d+(?:\.\d+)?x?"),
+    re.compile(r"\d+(?:\.\d+)?x? target"),
 ]
 _UNIT = (
     r"µs|us|ms|ns|s|x|%|steps/s|frames/s|(?:environment )?steps a second|frames a second"
     r"|MiB|GiB|KiB|bytes"
 )
 _FIGURE = re.compile(
-    rf"(?<![\w.#-])[+-]?\d[\d,]*(?:\.\d+)?\s*(?:{_UNIT})(?![\w/])"
+    rf"(?<![\w.#])[+-]?\d[\d,]*(?:\.\d+)?(?:-\d[\d,]*(?:\.\d+)?)?\s*(?:{_UNIT})(?![\w/])"
     r"|(?<![\w.#/])[+-]?\d+\.\d+(?![\w.])"
     r"|(?<![\w.])\d{1,3}(?:,\d{3})+(?![\d])"
 )
