@@ -19,9 +19,10 @@ Functions (all arguments are strings but ``digits``):
   or list indexes (with ``over``, its ratio to a sibling);
 - ``source(run)``: "NVIDIA H100, torch 2.11.0+cu130, 2026-11-27", linked to the report;
 - ``cpu_table(run)``: the headline table of CPU time per call, tools side by side;
-- ``table(run, heading)``: the table under ``heading`` in a run's Markdown report, as it is;
-- ``cell(run, heading, *row, column=..., number=False)``: one cell of it, the row named by
-  its first cells (with ``number``, the cell's first number).
+- ``table(run, heading, which=0)``: a table under ``heading`` in a run's Markdown report,
+  as it is;
+- ``cell(run, heading, *row, column=..., which=0, number=None)``: one cell of it, the row
+  named by its first cells (with ``number``, the number of that index in the cell).
 
 A number on a page that none of these writes is caught by ``tests/test_docs_figures.py``.
 """
@@ -198,16 +199,24 @@ class Figures:
             raw = raw / parent[over]
         return f"{raw:,.{digits}f}"
 
-    def table(self, run: str, heading: str) -> str:
-        """The table under ``heading`` (a line of the report, "## Targets") in ``run``'s
-        Markdown report, with its footnotes, as the run wrote it."""
-        return "\n".join(_report_table(self.docs, run, heading))
+    def table(self, run: str, heading: str, which: int = 0) -> str:
+        """The ``which``-th table under ``heading`` (a line of the report, "## Targets") in
+        ``run``'s Markdown report, with its footnotes, as the run wrote it."""
+        return "\n".join(_report_table(self.docs, run, heading, which))
 
-    def cell(self, run: str, heading: str, *row: str, column: str, number: bool = False) -> str:
+    def cell(
+        self,
+        run: str,
+        heading: str,
+        *row: str,
+        column: str,
+        which: int = 0,
+        number: int | None = None,
+    ) -> str:
         """The cell of ``column`` in the row whose first cells are ``row`` (bold marks
-        ignored), in the table under ``heading`` of ``run``'s report; with ``number``, the
-        first number in it ("0.854" of "0.854 (CPU: 1.047)")."""
-        lines = [x for x in _report_table(self.docs, run, heading) if x.startswith("|")]
+        ignored), in the ``which``-th table under ``heading`` of ``run``'s report; with
+        ``number``, the number of that index in it (1 gives "1.398" of "1.341 (wall: 1.398)")."""
+        lines = [x for x in _report_table(self.docs, run, heading, which) if x.startswith("|")]
         header = _cells(lines[0])
         if column not in header:
             raise PluginError(f"{run}: {heading!r} has no column {column!r}")
@@ -215,10 +224,12 @@ class Figures:
             cells = _cells(line)
             if cells[: len(row)] == list(row):
                 text = cells[header.index(column)]
-                found = re.search(r"[+-]?\d+(?:\.\d+)?", text)
-                if number and found is None:
-                    raise PluginError(f"{run}: no number in {text!r} ({list(row)!r})")
-                return found[0] if number and found else text
+                if number is None:
+                    return text
+                found = re.findall(r"[+-]?\d+(?:\.\d+)?", text)
+                if number >= len(found):
+                    raise PluginError(f"{run}: no number {number} in {text!r} ({list(row)!r})")
+                return str(found[number])
         raise PluginError(f"{run}: {heading!r} has no row {list(row)!r}")
 
     def source(self, run: str) -> str:
@@ -282,23 +293,27 @@ def _cells(line: str) -> list[str]:
 
 
 @functools.cache
-def _report_table(docs: str, run: str, heading: str) -> list[str]:
-    """The lines of the first table under ``heading`` in ``run``'s report, and the footnotes
-    that its cells name."""
+def _report_table(docs: str, run: str, heading: str, which: int = 0) -> list[str]:
+    """The lines of the ``which``-th table under ``heading`` in ``run``'s report, and the
+    footnotes that its cells name."""
     path = Path(docs) / RESULTS / f"{run}.md"
     if not path.exists():
         raise PluginError(f"no report docs/{RESULTS}/{run}.md")
     lines = path.read_text().splitlines()
     if heading not in lines:
         raise PluginError(f"{run}.md: no heading {heading!r}")
-    rows = []
+    tables: list[list[str]] = [[]]
     for line in lines[lines.index(heading) + 1 :]:
         if line.startswith("#"):
             break
         if line.startswith("|"):
-            rows.append(line)
-        elif rows:
-            break
+            tables[-1].append(line)
+        elif tables[-1]:
+            tables.append([])
+    tables = [t for t in tables if t]
+    if which >= len(tables):
+        raise PluginError(f"{run}.md: no table {which} under {heading!r}")
+    rows = tables[which]
     notes = set(re.findall(r"\[\^([\w-]+)\]", "\n".join(rows)))
     footnotes = [x for x in lines if (m := re.match(r"\[\^([\w-]+)\]:", x)) and m[1] in notes]
     return rows + ([""] + footnotes if footnotes else [])

@@ -104,6 +104,7 @@ NOT_FIGURES = {
     "sharp-edges.md": ["1 MiB", "2 MiB", "32 MiB"],  # a threshold, a segment, cuBLAS's
     "benchmarks.md": ["16 calls", "0.4 s", "0.05 s"],  # the method's settings
     "runs/2026-11-27-borrowed-call.md": ["16 calls"],
+    "runs/2026-11-25-run2.md": ["0.4 s"],
     "runs/2026-11-23.md": ["32 MiB", "2 MiB"],  # cuBLAS's workspace, a pool's segment
 }
 # Tables whose numbers are not figures, by their first header cell.
