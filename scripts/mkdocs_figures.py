@@ -12,6 +12,9 @@ Functions (all arguments are strings but ``digits``):
 - ``cpu(run, workload, variant)``, ``wall(...)``: median µs per call, one decimal;
 - ``ratio(run, workload, variant, over, kind="cpu")``: one median over another, two decimals;
 - ``steps(run, script, variant)``: LeanRL scripts, median environment steps a second;
+  ``steps_each`` each run's; ``part(run, script, variant, part, kind="host")`` a part's µs
+  per step, median of the runs, ``part_each`` each run's, ``part_ratio(..., part, over)``
+  the range of one part's host time over another's;
 - ``frames(run, variant, block=-1, ratio=False)``: the torchrl SAC loop, frames a second
   (or the ratio to eager) in one of the runs the file records;
 - ``mib(run, scenario)``: ``benchmarks/memory.py``, MiB reserved;
@@ -165,6 +168,41 @@ class Figures:
         if variant not in runs.get(script, {}):
             raise PluginError(f"{run}: no {script!r} runs of {variant!r}")
         return f"{statistics.median(r['steps_per_s'] for r in runs[script][variant]):.0f}"
+
+    def _script_runs(self, run: str, script: str, variant: str) -> list[dict[str, Any]]:
+        runs = _run(self.docs, run).raw["runs"]
+        if variant not in runs.get(script, {}):
+            raise PluginError(f"{run}: no {script!r} runs of {variant!r}")
+        return list(runs[script][variant])
+
+    def _part(self, one: dict[str, Any], part: str, kind: str) -> float:
+        if part == "step":
+            return float(one[f"step_{kind}_us"])
+        if part not in one[f"{kind}_us"]:
+            raise PluginError(f"no part {part!r} in the {kind} times of a run")
+        return float(one[f"{kind}_us"][part])
+
+    def steps_each(self, run: str, script: str, variant: str) -> str:
+        """LeanRL scripts: each run's environment steps a second, in the order they ran."""
+        return ", ".join(f"{r['steps_per_s']:.0f}" for r in self._script_runs(run, script, variant))
+
+    def part(self, run: str, script: str, variant: str, part: str, kind: str = "host") -> str:
+        """LeanRL scripts: a part's µs per step (``kind`` "host" or "gpu"), median of the runs;
+        ``part`` "step" is the whole step."""
+        runs = self._script_runs(run, script, variant)
+        return f"{statistics.median(self._part(r, part, kind) for r in runs):.0f}"
+
+    def part_each(self, run: str, script: str, variant: str, part: str, kind: str = "host") -> str:
+        """LeanRL scripts: a part's µs per step in each run, in the order they ran."""
+        runs = self._script_runs(run, script, variant)
+        return ", ".join(f"{self._part(r, part, kind):.0f}" for r in runs)
+
+    def part_ratio(self, run: str, script: str, variant: str, part: str, over: str) -> str:
+        """LeanRL scripts: the range over the runs of one part's host time over another's."""
+        runs = self._script_runs(run, script, variant)
+        ratios = [self._part(r, part, "host") / self._part(r, over, "host") for r in runs]
+        low, high = f"{min(ratios):.2f}", f"{max(ratios):.2f}"
+        return low if low == high else f"{low}-{high}"
 
     def frames(self, run: str, variant: str, block: int = -1, ratio: bool = False) -> str:
         """Frames a second of ``variant`` in the ``block``-th run the file records (blocks

@@ -98,7 +98,7 @@ _FIGURE = re.compile(
     r"|(?<![\w.#/])[+-]?\d+\.\d+(?![\w.])"
     r"|(?<![\w.])\d{1,3}(?:,\d{3})+(?![\d])"
 )
-_CELL = re.compile(r"\**[+-]?\d[\d,.]*x?\**")
+_CELL = re.compile(r"\**[+-]?\d[\d,.]*x?\**(?:[ /(].*)?")  # "1.05", "531 (582, 531)"
 # Numbers that are not measurements: settings, sizes the library or the hardware fixes.
 NOT_FIGURES = {
     "sharp-edges.md": ["1 MiB", "2 MiB", "32 MiB"],  # a threshold, a segment, cuBLAS's
@@ -107,8 +107,9 @@ NOT_FIGURES = {
     "runs/2026-11-25-run2.md": ["0.4 s"],
     "runs/2026-11-23.md": ["32 MiB", "2 MiB"],  # cuBLAS's workspace, a pool's segment
 }
-# Tables whose numbers are not figures, by their first header cell.
-NOT_FIGURE_TABLES = {"layer"}
+# Tables whose numbers are not figures, by their first header cell: the package's layers
+# (architecture.md), the corpus scripts' settings (corpus.md).
+NOT_FIGURE_TABLES = {"layer", "script (test)"}
 
 
 def _figures(page: pathlib.Path) -> list[str]:
