@@ -11,6 +11,7 @@ Functions (all arguments are strings but ``digits``):
 
 - ``cpu(run, workload, variant)``, ``wall(...)``: median µs per call, one decimal;
 - ``ratio(run, workload, variant, over, kind="cpu")``: one median over another, two decimals;
+- ``diff(run, workload, variant, less, kind="cpu")``: one median less another, one decimal;
 - ``steps(run, script, variant)``: LeanRL scripts, median environment steps a second;
   ``steps_each`` each run's; ``part(run, script, variant, part, kind="host")`` a part's µs
   per step, median of the runs, ``part_each`` each run's, ``part_ratio(..., part, over)``
@@ -162,6 +163,13 @@ class Figures:
     ) -> str:
         r = _run(self.docs, run)
         return f"{r.median(kind, workload, variant) / r.median(kind, workload, over):.{digits}f}"
+
+    def diff(
+        self, run: str, workload: str, variant: str, less: str, kind: str = "cpu", digits: int = 1
+    ) -> str:
+        """One median less another (µs a call saved, or added)."""
+        r = _run(self.docs, run)
+        return f"{r.median(kind, workload, variant) - r.median(kind, workload, less):.{digits}f}"
 
     def steps(self, run: str, script: str, variant: str) -> str:
         runs = _run(self.docs, run).raw["runs"]

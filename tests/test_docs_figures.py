@@ -86,7 +86,7 @@ _SKIP = [
     re.compile(r"\b\d{4}-\d\d-\d\d\b"),
     re.compile(r"\b\d+\.\d+\.\d+\S*"),
     re.compile(r"\b(?:torch|PyTorch|tensordict|torchrl|Python) \d+\.\d+(?: and \d+\.\d+)?\b"),
-    re.compile(r"(?:[<>]=|[Tt]argets?:?(?: of)?|within) ?\d+(?:\.\d+)?x?"),
+    re.compile(r"(?:[<>]=|[Tt]argets?:?(?: of)?|within)\s?\d+(?:\.\d+)?x?"),
     re.compile(r"\d+(?:\.\d+)?x? target"),
 ]
 _UNIT = (
