@@ -362,7 +362,7 @@ def _report_table(docs: str, run: str, heading: str, which: int = 0) -> list[str
     rows = tables[which]
     notes = set(re.findall(r"\[\^([\w-]+)\]", "\n".join(rows)))
     footnotes = [x for x in lines if (m := re.match(r"\[\^([\w-]+)\]:", x)) and m[1] in notes]
-    return rows + ([""] + footnotes if footnotes else [])
+    return rows + (["", *footnotes] if footnotes else [])
 
 
 def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:

@@ -74,7 +74,7 @@ def test_a_figure_that_is_not_in_the_file_fails_the_build(
 
 
 # A figure on a page: a number with a unit of time, speed, size or ratio, a decimal, a
-# number with thousands separators, or a number alone in a table cell. Not a figure: code
+# number with thousands separators, or a table cell that starts with a number. Not a figure: code
 # (blocks and `spans`), HTML comments, link targets, dates, versions (2.11.0, "torch 2.11"),
 # targets (<= 1.05, target 2.0x, within 0.02) and what NOT_FIGURES names.
 _SKIP = [
@@ -112,10 +112,8 @@ NOT_FIGURES = {
 NOT_FIGURE_TABLES = {"layer", "script (test)"}
 
 
-def _figures(page: pathlib.Path) -> list[str]:
-    """Every figure of ``page`` that no placeholder writes: ``file:line: figure``."""
-    text = page.read_text()
-    name = page.relative_to(DOCS).as_posix()
+def _figures(text: str, name: str) -> list[str]:
+    """Every figure of the page ``name`` that no placeholder writes: ``name:line: figure``."""
     for pattern in [*_SKIP, *(re.compile(re.escape(s)) for s in NOT_FIGURES.get(name, []))]:
         # Blanked, not removed: line numbers stay, and no number runs into a unit.
         text = pattern.sub(lambda m: re.sub(r"[^\n]", "_", m[0]), text)
@@ -132,7 +130,7 @@ def _figures(page: pathlib.Path) -> list[str]:
         elif header not in NOT_FIGURE_TABLES:
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
             found += [f"{name}:{number}: {c}" for c in cells if _CELL.fullmatch(c)]
-    return sorted(set(found), key=lambda f: int(f.split(":")[1]))
+    return sorted(dict.fromkeys(found), key=lambda f: int(f.split(":")[1]))
 
 
 PAGES = sorted(p for p in DOCS.rglob("*.md") if p.parent.name != "benchmarks")
@@ -142,4 +140,46 @@ PAGES = sorted(p for p in DOCS.rglob("*.md") if p.parent.name != "benchmarks")
 def test_every_figure_on_a_page_comes_from_a_result_file(page: pathlib.Path) -> None:
     """A number quoted by hand can disagree with its run, and names no GPU, torch or date:
     write it as a placeholder ({{ value(...) }}, {{ cell(...) }}, ...) of a result file."""
-    assert _figures(page) == []
+    assert _figures(page.read_text(), page.relative_to(DOCS).as_posix()) == []
+
+
+@pytest.mark.parametrize(
+    ("text", "found"),
+    [
+        ("the state check costs 13.7 µs", ["13.7 µs"]),
+        ("1.44x the floor, 0.91 of tensordict's", ["1.44x", "0.91"]),
+        ("PPO runs 3657\nenvironment steps a second", ["3657 environment steps a second"]),
+        (
+            "| a | b | c |\n| - | - | - |\n| eager | 114.7 | 531 (582, 531) |",
+            ["114.7", "531 (582, 531)"],
+        ),
+        ("5,120 bytes, 10-20% apart", ["5,120 bytes", "10-20%"]),
+        ('{{ cpu("h100", "a. tiny op", "eager") }} µs, `x + 1.5`, torch 2.11, 2.11.0', []),
+        ("target 2.0x, <= 1.05, within 0.02, on 2026-11-23, pytorch#181723", []),
+    ],
+    ids=[
+        "µs",
+        "ratios",
+        "across a line",
+        "table cells",
+        "sizes and ranges",
+        "not figures",
+        "targets",
+    ],
+)
+def test_the_figure_scan(text: str, found: list[str]) -> None:
+    assert [f.split(": ", 1)[1] for f in _figures(text, "page.md")] == found
+
+
+def test_a_report_table_and_its_cells(figures: ModuleType) -> None:
+    page = figures.Figures(str(DOCS), "runs/2026-11-23.md")
+    targets = "## Targets (CPU time per call)"
+    row = "c. policy, keywords: tensordict / cudagraph_td >= 1.3"
+    assert page.cell("h100", targets, row, column="measured") == "1.92x"
+    assert page.cell("h100", targets, row, column="measured", number=0) == "1.92"
+    assert page.table("h100", targets).splitlines()[0] == "| target | met | measured |"
+    turns, g = "## Modes and shapes in turn (g, h)", "g. policy, modes in turn"
+    wall = page.cell("h100-issue31-run2", turns, g, "floor", column="in turn / steady", which=1)
+    assert wall == "0.973"
+    with pytest.raises(figures.PluginError, match=re.escape("has no row ['z. nothing']")):
+        page.cell("h100", targets, "z. nothing", column="measured")
