@@ -11,14 +11,24 @@ Functions (all arguments are strings but ``digits``):
 
 - ``cpu(run, workload, variant)``, ``wall(...)``: median µs per call, one decimal;
 - ``ratio(run, workload, variant, over, kind="cpu")``: one median over another, two decimals;
+- ``diff(run, workload, variant, less, kind="cpu")``: one median less another, one decimal;
 - ``steps(run, script, variant)``: LeanRL scripts, median environment steps a second;
+  ``steps_each`` each run's; ``part(run, script, variant, part, kind="host")`` a part's µs
+  per step, median of the runs, ``part_each`` each run's, ``part_ratio(..., part, over)``
+  the range of one part's host time over another's;
 - ``frames(run, variant, block=-1, ratio=False)``: the torchrl SAC loop, frames a second
   (or the ratio to eager) in one of the runs the file records;
 - ``mib(run, scenario)``: ``benchmarks/memory.py``, MiB reserved;
 - ``value(run, *keys, digits=0, over=None)``: any number of a JSON result file, by its keys
-  (with ``over``, its ratio to a sibling);
+  or list indexes (with ``over``, its ratio to a sibling);
 - ``source(run)``: "NVIDIA H100, torch 2.11.0+cu130, 2026-11-27", linked to the report;
-- ``cpu_table(run)``: the headline table of CPU time per call, tools side by side.
+- ``cpu_table(run)``: the headline table of CPU time per call, tools side by side;
+- ``table(run, heading, which=0)``: a table under ``heading`` in a run's Markdown report,
+  as it is;
+- ``cell(run, heading, *row, column=..., which=0, number=None)``: one cell of it, the row
+  named by its first cells (with ``number``, the number of that index in the cell).
+
+A number on a page that none of these writes is caught by ``tests/test_docs_figures.py``.
 """
 
 from __future__ import annotations
@@ -154,11 +164,53 @@ class Figures:
         r = _run(self.docs, run)
         return f"{r.median(kind, workload, variant) / r.median(kind, workload, over):.{digits}f}"
 
+    def diff(
+        self, run: str, workload: str, variant: str, less: str, kind: str = "cpu", digits: int = 1
+    ) -> str:
+        """One median less another (µs a call saved, or added)."""
+        r = _run(self.docs, run)
+        return f"{r.median(kind, workload, variant) - r.median(kind, workload, less):.{digits}f}"
+
     def steps(self, run: str, script: str, variant: str) -> str:
         runs = _run(self.docs, run).raw["runs"]
         if variant not in runs.get(script, {}):
             raise PluginError(f"{run}: no {script!r} runs of {variant!r}")
         return f"{statistics.median(r['steps_per_s'] for r in runs[script][variant]):.0f}"
+
+    def _script_runs(self, run: str, script: str, variant: str) -> list[dict[str, Any]]:
+        runs = _run(self.docs, run).raw["runs"]
+        if variant not in runs.get(script, {}):
+            raise PluginError(f"{run}: no {script!r} runs of {variant!r}")
+        return list(runs[script][variant])
+
+    def _part(self, one: dict[str, Any], part: str, kind: str) -> float:
+        if part == "step":
+            return float(one[f"step_{kind}_us"])
+        if part not in one[f"{kind}_us"]:
+            raise PluginError(f"no part {part!r} in the {kind} times of a run")
+        return float(one[f"{kind}_us"][part])
+
+    def steps_each(self, run: str, script: str, variant: str) -> str:
+        """LeanRL scripts: each run's environment steps a second, in the order they ran."""
+        return ", ".join(f"{r['steps_per_s']:.0f}" for r in self._script_runs(run, script, variant))
+
+    def part(self, run: str, script: str, variant: str, part: str, kind: str = "host") -> str:
+        """LeanRL scripts: a part's µs per step (``kind`` "host" or "gpu"), median of the runs;
+        ``part`` "step" is the whole step."""
+        runs = self._script_runs(run, script, variant)
+        return f"{statistics.median(self._part(r, part, kind) for r in runs):.0f}"
+
+    def part_each(self, run: str, script: str, variant: str, part: str, kind: str = "host") -> str:
+        """LeanRL scripts: a part's µs per step in each run, in the order they ran."""
+        runs = self._script_runs(run, script, variant)
+        return ", ".join(f"{self._part(r, part, kind):.0f}" for r in runs)
+
+    def part_ratio(self, run: str, script: str, variant: str, part: str, over: str) -> str:
+        """LeanRL scripts: the range over the runs of one part's host time over another's."""
+        runs = self._script_runs(run, script, variant)
+        ratios = [self._part(r, part, "host") / self._part(r, over, "host") for r in runs]
+        low, high = f"{min(ratios):.2f}", f"{max(ratios):.2f}"
+        return low if low == high else f"{low}-{high}"
 
     def frames(self, run: str, variant: str, block: int = -1, ratio: bool = False) -> str:
         """Frames a second of ``variant`` in the ``block``-th run the file records (blocks
@@ -177,19 +229,54 @@ class Figures:
             raise PluginError(f"{run}: no scenario {scenario!r}")
         return f"{raw[scenario]['reserved_mib']:,.0f}"
 
-    def value(self, run: str, *keys: str, digits: int = 0, over: str | None = None) -> str:
-        """A number of a JSON result file, by its keys; with ``over``, its ratio to the
-        number under the same keys but the last replaced by ``over``."""
+    def value(self, run: str, *keys: str | int, digits: int = 0, over: str | None = None) -> str:
+        """A number of a JSON result file, by its keys (an index for a list: a range's
+        ``0`` and ``1``); with ``over``, its ratio to the number under the same keys but the
+        last replaced by ``over``."""
         raw: Any = _run(self.docs, run).raw
-        parent: dict[str, Any] = {}
-        at: list[str] = []
+        parent: Any = {}
+        at: list[str | int] = []
         for key in keys:
-            if not isinstance(raw, dict) or key not in raw:
+            listed = isinstance(raw, list) and isinstance(key, int) and -len(raw) <= key < len(raw)
+            if not listed and (not isinstance(raw, dict) or key not in raw):
                 raise PluginError(f"{run}: no {key!r} under {at}")
             parent, raw, at = raw, raw[key], [*at, key]
         if over is not None:
             raw = raw / parent[over]
         return f"{raw:,.{digits}f}"
+
+    def table(self, run: str, heading: str, which: int = 0) -> str:
+        """The ``which``-th table under ``heading`` (a line of the report, "## Targets") in
+        ``run``'s Markdown report, with its footnotes, as the run wrote it."""
+        return "\n".join(_report_table(self.docs, run, heading, which))
+
+    def cell(
+        self,
+        run: str,
+        heading: str,
+        *row: str,
+        column: str,
+        which: int = 0,
+        number: int | None = None,
+    ) -> str:
+        """The cell of ``column`` in the row whose first cells are ``row`` (bold marks
+        ignored), in the ``which``-th table under ``heading`` of ``run``'s report; with
+        ``number``, the number of that index in it (1 gives "1.398" of "1.341 (wall: 1.398)")."""
+        lines = [x for x in _report_table(self.docs, run, heading, which) if x.startswith("|")]
+        header = _cells(lines[0])
+        if column not in header:
+            raise PluginError(f"{run}: {heading!r} has no column {column!r}")
+        for line in lines[2:]:
+            cells = _cells(line)
+            if cells[: len(row)] == list(row):
+                text = cells[header.index(column)]
+                if number is None:
+                    return text
+                found = re.findall(r"[+-]?\d+(?:\.\d+)?", text)
+                if number >= len(found):
+                    raise PluginError(f"{run}: no number {number} in {text!r} ({list(row)!r})")
+                return str(found[number])
+        raise PluginError(f"{run}: {heading!r} has no row {list(row)!r}")
 
     def source(self, run: str) -> str:
         r = _run(self.docs, run)
@@ -245,6 +332,37 @@ class Figures:
         for i, note in enumerate(notes, 1):
             lines.append(f"[^{run}-{i}]: {note.replace('|', '/')}")
         return "\n".join(lines)
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip().strip("*") for c in line.strip().strip("|").split("|")]
+
+
+@functools.cache
+def _report_table(docs: str, run: str, heading: str, which: int = 0) -> list[str]:
+    """The lines of the ``which``-th table under ``heading`` in ``run``'s report, and the
+    footnotes that its cells name."""
+    path = Path(docs) / RESULTS / f"{run}.md"
+    if not path.exists():
+        raise PluginError(f"no report docs/{RESULTS}/{run}.md")
+    lines = path.read_text().splitlines()
+    if heading not in lines:
+        raise PluginError(f"{run}.md: no heading {heading!r}")
+    tables: list[list[str]] = [[]]
+    for line in lines[lines.index(heading) + 1 :]:
+        if line.startswith("#"):
+            break
+        if line.startswith("|"):
+            tables[-1].append(line)
+        elif tables[-1]:
+            tables.append([])
+    tables = [t for t in tables if t]
+    if which >= len(tables):
+        raise PluginError(f"{run}.md: no table {which} under {heading!r}")
+    rows = tables[which]
+    notes = set(re.findall(r"\[\^([\w-]+)\]", "\n".join(rows)))
+    footnotes = [x for x in lines if (m := re.match(r"\[\^([\w-]+)\]:", x)) and m[1] in notes]
+    return rows + (["", *footnotes] if footnotes else [])
 
 
 def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:
