@@ -41,6 +41,12 @@ DEVICE = torch.device("cpu" if EMULATE else "cuda")
 BACKEND = "emulate" if EMULATE else "cuda"
 
 
+def _without_state_check(entry: Any) -> None:
+    """An entry's graph refilled without its state check (an ablation: never in the library)."""
+    entry.captured.state = None
+    entry.fill(entry.captured)
+
+
 def _n(count: int) -> int:
     """``count`` repetitions on a GPU; on the emulation, which times nothing of a GPU's and
     only shows that every step runs, a hundredth of them (at least 2)."""
@@ -70,12 +76,11 @@ def main() -> None:
             for _ in range(4):
                 g(td)
         graphs = stateless._current_graphs()
-        graphs.runners[None].captured.state = None
-        graphs.entries.clear()  # the entry made again, without the state check
-        stateless._table.clear()
+        _without_state_check(graphs.entries[graphs.key])
         for _ in range(2):
             stateless(td)
-        state = now._current_graphs().runners[None].captured.state
+        now_graphs = now._current_graphs()
+        state = now_graphs.entries[now_graphs.key].captured.state
         calls |= {
             "now": lambda: now(td),
             "now without the state check": lambda: stateless(td),
@@ -115,7 +120,8 @@ def sac() -> None:
         for cell in now.__closure__  # type: ignore[attr-defined]
         if isinstance(cell.cell_contents, CudaGraphModule)
     )
-    captured = wrapper._current_graphs().runners[None].captured
+    graphs = wrapper._current_graphs()
+    captured = graphs.entries[graphs.key].captured
     calls["State.fresh alone"] = captured.state.fresh
     calls["watch alone"] = captured._watch
     _time(calls, rounds=300, burst=8)
@@ -158,7 +164,7 @@ def _cycling(graphed: Any, graphs: Any) -> dict[str, Any]:
     views = {}
     for n in range(1, 65):
         size = next(b for b in workloads.BUCKETS if b >= n)
-        captured = graphs.runners[(size,)].captured
+        captured = graphs.entries[graphs.key._replace(shapes=(size,))].captured
         static, out = captured._static_inputs[0], captured.outputs.static[0]
         views[n] = ([static[:n]], out[:n], captured._replay)
     # The replay path of each batch size: what the graph table finds for it.
@@ -238,7 +244,7 @@ def buckets() -> None:
             graphed(td)
         graphs = graphed._current_graphs()
         (path,) = graphed._table.find((td,), {})
-        captured = graphs.runners[(64,)].captured
+        captured = graphs.entries[graphs.key._replace(shapes=(64,))].captured
         calls |= _cycling(graphed, graphs)
         calls |= {
             "wrapper, one size": lambda: graphed(td),
@@ -322,15 +328,15 @@ def borrowed() -> None:
 
     now, buffers, entry = wrapper()
     stateless, stateless_buffers, stateless_entry = wrapper()
-    stateless_entry._state_holds = None  # the entry's state check removed
+    _without_state_check(stateless_entry)
     renewing, renewing_buffers, renewing_entry = wrapper()
     bare, bare_buffers, bare_entry = wrapper()  # renewing, and no state check
-    bare_entry._state_holds = None
+    _without_state_check(bare_entry)
     if EMULATE:  # an emulated graph's replay and loan, through its launch
         one, lend = None, None
     else:
-        one = entry.graph.one_tensor
-        lend = entry.graph.outputs.copies.one
+        one = entry.captured.one_tensor
+        lend = entry.captured.outputs.copies.one
     hand = TensorDict(observation=td["observation"], batch_size=td.batch_size)
 
     def replay_lend_set() -> None:
@@ -348,7 +354,7 @@ def borrowed() -> None:
         "GraphEntry.replay alone": lambda: entry.replay((buffers,), {}),
         "wrapper, in place, borrowed": lambda: now(buffers),
         "the same without the state check": lambda: stateless(stateless_buffers),
-        "State.fresh alone (borrowed)": entry._state_holds,
+        "State.fresh alone (borrowed)": entry.captured.state.fresh,
     }
     if one is not None:  # the prototype of a loan renewed in place (see `_renewing`)
         renewing_entry._one_output = _renewing(renewing_entry, renewing_buffers)
@@ -365,7 +371,7 @@ def _renewing(entry: Any, td: TensorDict) -> Any:
     when nothing but ``td``'s ``"action"`` entry holds the previous one (no reference, no
     view, no C++ holder, the same layout): no new storage, tensor or error message. What a
     loan could save at best, for an in-place call whose caller drops its outputs."""
-    copies = entry.graph.outputs.copies
+    copies = entry.captured.outputs.copies
     lend, held = copies.one, {}
     refs, storage_users = sys.getrefcount, torch._C._storage_Use_Count
 

@@ -58,7 +58,7 @@ def tiny_op(device: torch.device, backend: str) -> Steps:
     for _ in range(3):
         wrapper(x)
     path = _path(wrapper)
-    captured = path.graph
+    captured = path.captured
     static_in, static_out = captured.signature.static_inputs, captured.outputs.static[0]
     expected = captured.signature.expected[0]
     replay = captured._replay  # type: ignore[attr-defined]  # the library's graph launch
@@ -104,7 +104,7 @@ def sac_update(device: torch.device, backend: str) -> Steps:
     for _ in range(3):
         wrapper(batch)
     path = _path(wrapper)
-    captured = path.graph
+    captured = path.captured
     read, write = path._by_position
     assert write is not None
     tensors = read((batch,), {})

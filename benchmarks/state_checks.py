@@ -35,7 +35,8 @@ def _us(fn: Any, number: int = 20_000) -> float:
 
 def _state_of(graphed: CudaGraphModule) -> Any:
     """The State that the graph of ``graphed`` in the current mode follows."""
-    return graphed._current_graphs().runners[None].captured.state
+    graphs = graphed._current_graphs()
+    return graphs.entries[graphs.key].captured.state
 
 
 def _policy(device: str, width: int, depth: int) -> nn.Sequential:

@@ -344,7 +344,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.write_line(f"{name}: {text}")
 
 
-def current_runner(graphed: CudaGraphModule) -> Any:
-    """The runner of a ``shapes="static"`` wrapper's graph in the current mode, if any."""
+def current_entry(graphed: CudaGraphModule) -> Any:
+    """The entry of a ``shapes="static"`` wrapper's graph in the current mode, if any."""
     graphs = graphed._current_graphs()
-    return None if graphs is None else graphs.runners.get(None)
+    return None if graphs is None else graphs.entries.get(graphs.key)

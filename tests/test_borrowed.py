@@ -27,8 +27,7 @@ from tensordict.nn import TensorDictModule
 from cudagraph_td import CudaGraphModule, _compat
 from cudagraph_td._call import module as _module
 from cudagraph_td._capture import backend as _backend
-from cudagraph_td._capture import entry as _entry
-from cudagraph_td._capture import graph as _graph
+from cudagraph_td._capture import captured as _captured
 
 from .conftest import Backend, regression_step
 
@@ -380,7 +379,7 @@ def test_borrowing_graphs_are_freed_without_the_garbage_collector(
                 (buffers,), _ = graphed.input_buffers(backend.randn(rows, 5))
                 buffers.copy_(backend.randn(rows, 5))
                 outputs.append(graphed(buffers))
-            calls = [weakref.ref(entry.graph) for entry in graphed._table.entries()]
+            calls = [weakref.ref(entry.captured) for entry in graphed._table.entries()]
             assert len(calls) == 2 and all(call() is not None for call in calls)
             del buffers
         if end == "reset":
@@ -501,8 +500,8 @@ def _count_copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         count[0] += 1
         copy_(dst, src)
 
-    for module in (_entry, _graph):
-        monkeypatch.setattr(module, "foreach_copy_", counted)
+    # Every launch copies its inputs in `_capture.captured` (`copy_inputs`, `OneTensorGraph`).
+    monkeypatch.setattr(_captured, "foreach_copy_", counted)
     return count
 
 

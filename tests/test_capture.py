@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from .conftest import Backend, current_runner
+from .conftest import Backend, current_entry
 
 
 class Flaky:
@@ -405,8 +405,8 @@ def test_shared_pool_and_capture_error_mode(cuda: Backend) -> None:
 def test_graph_device_follows_the_inputs(cuda: Backend) -> None:
     graphed = cuda.wrap(lambda x: x + 1, warmup=1)
     graphed(cuda.randn(2))
-    runner = current_runner(graphed)
-    assert runner.backend is not None and runner.backend.device == cuda.device
+    entry = current_entry(graphed)
+    assert entry.backend is not None and entry.backend.device == cuda.device
 
 
 def test_graph_survives_cleared_cublas_workspaces(cuda: Backend) -> None:

@@ -18,7 +18,7 @@ from torch import nn
 
 from cudagraph_td import Buckets, CudaGraphModule, Exact, RecaptureWarning
 
-from .conftest import Backend, current_runner, record, requires_cuda, run_threads
+from .conftest import Backend, current_entry, record, requires_cuda, run_threads
 
 
 def _policy(backend: Backend) -> TensorDictModule:
@@ -45,10 +45,10 @@ def test_dropping_a_wrapper_frees_its_graph_without_the_garbage_collector(
         with torch.no_grad():
             for _ in range(3):
                 graphed(TensorDict(obs=backend.randn(8, 4), batch_size=[8]))
-            runner = weakref.ref(current_runner(graphed))
-            captured = weakref.ref(current_runner(graphed).captured)
+            entry = weakref.ref(current_entry(graphed))
+            captured = weakref.ref(current_entry(graphed).captured)
         del graphed
-        assert runner() is None and captured() is None
+        assert entry() is None and captured() is None
         if backend.name == "cuda":
             backend.sync()
             assert torch.cuda.memory_allocated() == before
@@ -221,7 +221,7 @@ def test_a_graph_captured_again_frees_the_old_one(backend: Backend, options: Any
     with torch.no_grad():
         for _ in range(3):
             graphed(backend.randn(5, 4))
-        old = weakref.ref(next(iter(graphed._current_graphs().runners.values())).captured)
+        old = weakref.ref(next(iter(graphed._current_graphs().entries.values())).captured)
         net.weight = torch.nn.Parameter(torch.randn(2, 4, device=backend.device))
         with pytest.warns(RecaptureWarning):
             for _ in range(4):

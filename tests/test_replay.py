@@ -25,7 +25,7 @@ from cudagraph_td._capture.entry import MISS
 from cudagraph_td._values import routes as _routes
 from cudagraph_td._values.signature import Signature
 
-from .conftest import Backend, current_runner
+from .conftest import Backend, current_entry
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -208,11 +208,11 @@ def test_every_route_replays_good_calls_and_leaves_mismatches_to_the_slow_path(
         for _ in range(2):  # a warm-up call, then the capture
             args, kwargs = make(backend.randn(4, 3))
             graphed(*args, **kwargs)
-        runner = current_runner(graphed)
-        assert runner is not None and runner.captured is not None
-        assert (type(runner.captured) is DifferentiableCall) == grad
+        entry = current_entry(graphed)
+        assert entry is not None and entry.captured is not None
+        assert (type(entry.captured) is DifferentiableCall) == grad
         # The reader and the writer of this call kind are among the graph's routes.
-        captured = runner.captured
+        captured = entry.captured
         routes = graphed._routes(captured.signature, captured.outputs)
         assert (route.reader, route.writer) in [(type(r), type(w)) for r, w in routes]
         slow = _count_slow_path(monkeypatch)

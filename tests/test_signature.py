@@ -10,7 +10,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from .conftest import Backend, current_runner
+from .conftest import Backend, current_entry
 
 HINT = "or call `reset()` to capture the graph again for the new inputs."
 
@@ -38,11 +38,11 @@ def _check_raises(
     graphed: Any, args: Any, kwargs: Any, error: type[Exception], message: str
 ) -> None:
     """The call raises ``error`` with ``message``, leaves the graph untouched and keeps working."""
-    static_before = [t.clone() for t in current_runner(graphed).captured.signature.static_inputs]
+    static_before = [t.clone() for t in current_entry(graphed).captured.signature.static_inputs]
     with pytest.raises(error, match=re.escape(message)):
         graphed(*args, **kwargs)
     for before, after in zip(
-        static_before, current_runner(graphed).captured.signature.static_inputs, strict=True
+        static_before, current_entry(graphed).captured.signature.static_inputs, strict=True
     ):
         torch.testing.assert_close(before, after)  # nothing was copied into the graph
 
@@ -333,8 +333,8 @@ def test_one_tensordict_batch_is_read_by_key_and_matches_eager(
     for _ in range(2):
         graphed(_batch(backend))
     full_checks = 0
-    runner = current_runner(graphed)
-    signature = runner.captured.signature
+    entry = current_entry(graphed)
+    signature = entry.captured.signature
 
     def counting(check: Any) -> Any:
         def counted(*args: Any) -> Any:

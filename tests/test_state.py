@@ -19,7 +19,7 @@ from torch import nn
 
 from cudagraph_td import CudaGraphModule, RecaptureWarning
 
-from .conftest import Backend, current_runner, regression_step, requires_cuda, run_threads
+from .conftest import Backend, current_entry, regression_step, requires_cuda, run_threads
 from .test_whole_step import _agent
 
 
@@ -99,13 +99,13 @@ def test_parameters_updated_in_place_flow_through_the_graph(backend: Backend, gr
     with torch.set_grad_enabled(grad), warnings.catch_warnings():
         warnings.simplefilter("error", RecaptureWarning)  # no recapture
         _warm(graphed, net, backend)
-        captured = current_runner(graphed).captured
+        captured = current_entry(graphed).captured
         net.load_state_dict(other.state_dict())  # copies in place
         with torch.no_grad():
             net[0].weight.mul_(2)
             net[1].running_var.add_(1)
         _warm(graphed, net, backend)
-        assert current_runner(graphed).captured is captured
+        assert current_entry(graphed).captured is captured
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
@@ -246,10 +246,10 @@ def test_the_autocast_state_selects_a_graph_of_its_own(backend: Backend) -> None
             x = backend.randn(8, 4)
             assert graphed(x).dtype == torch.float16
         with _autocast(backend):  # the first graph again, not a new one
-            captured = current_runner(graphed).captured
+            captured = current_entry(graphed).captured
             x = backend.randn(8, 4)
             torch.testing.assert_close(graphed(x), net(x))
-            assert current_runner(graphed).captured is captured
+            assert current_entry(graphed).captured is captured
     assert "autocast" in repr(graphed)
 
 
@@ -579,11 +579,11 @@ def test_other_attributes_of_the_agent_changing_keep_the_graph(backend: Backend)
             agent.history = [*agent.history, float(loss)]
             with torch.no_grad():
                 torch.testing.assert_close(policy(x), agent.net(x))
-        captured = current_runner(graphed).captured
+        captured = current_entry(graphed).captured
     agent.opt = torch.optim.Adam(agent.net.parameters(), lr=1e-2, capturable=True)
     with pytest.warns(RecaptureWarning, match=re.escape("`self.opt`")):
         graphed(backend.randn(16, 4), backend.randn(16, 1))
-    assert current_runner(graphed).captured is not captured
+    assert current_entry(graphed).captured is not captured
 
 
 def test_a_graphed_callable_refuses_a_rebound_module(backend: Backend) -> None:
@@ -625,7 +625,7 @@ def test_the_librarys_own_closures_are_no_bindings_to_follow(backend: Backend) -
             td = TensorDict(x=backend.randn(8, 4), batch_size=[8])
             torch.testing.assert_close(graphed(td)["y"], policy(td.clone())["y"])
     (entry,) = graphed._table.entries()  # the entry of its one graph
-    state = entry.graph.state
+    state = entry.captured.state
     assert state is not None and state.entries
     assert [b[0] for b in state.bindings if b[1] is CELLS] == []
 

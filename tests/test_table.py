@@ -4,6 +4,7 @@ the order of the calls (modes, shapes of any input, static values)."""
 from __future__ import annotations
 
 import re
+import weakref
 from typing import Any
 
 import pytest
@@ -142,19 +143,26 @@ def test_a_mismatch_in_a_known_key_still_raises_the_slow_paths_error(backend: Ba
         graphed(torch.zeros(3, dtype=torch.float64, device=backend.device))
 
 
-def test_a_recaptured_graph_leaves_the_table(backend: Backend) -> None:
+def test_a_recaptured_graph_is_replaced_in_its_entry(backend: Backend) -> None:
+    # The entry is the graph's for its whole life: a new capture replaces what it holds, and
+    # the old graph and its buffers are freed at once (no reference left anywhere).
     net = nn.Linear(2, 2).to(backend.device)
     graphed = backend.wrap(net, warmup=1)
     with torch.no_grad():
         for _ in range(2):
             graphed(backend.randn(1, 2))
-        (old,) = graphed._table.entries()
+        (entry,) = graphed._table.entries()
+        old = weakref.ref(entry.captured)
         net.weight = nn.Parameter(torch.ones(2, 2, device=backend.device))
         with pytest.warns(UserWarning, match="captured again"):
             for _ in range(3):
                 x = backend.randn(1, 2)
                 torch.testing.assert_close(graphed(x), net(x))
-    assert old not in graphed._table.entries() and len(graphed._table.entries()) == 1
+    assert graphed._table.entries() == [entry]
+    assert old() is None and entry.captured is not None
+    # Its replays are the new graph's: the capture's call, then two replays.
+    (info,) = graphed.graphs()
+    assert info.replays == 2
 
 
 def test_a_function_given_no_in_keys_replays_without_the_slow_path(backend: Backend) -> None:
@@ -374,3 +382,19 @@ def test_the_slow_path_flattens_a_call_once(
     torch.testing.assert_close(out["b"], y + 1)
     assert flattened[0] == 1
     assert graphed.graphs()[0].replays == 2  # the call before, and this one
+
+
+def test_graphs_counts_the_replays_of_the_current_capture(backend: Backend) -> None:
+    # The issue's sequence: 2 replays, a parameter rebound, a warm-up, the capture, 3 replays.
+    net = nn.Linear(2, 2).to(backend.device)
+    graphed = backend.wrap(net, warmup=2)
+    with torch.no_grad():
+        for _ in range(4):  # a warm-up, the capture, 2 replays
+            graphed(backend.randn(1, 2))
+        assert [info.replays for info in graphed.graphs()] == [2]
+        net.weight = nn.Parameter(torch.ones(2, 2, device=backend.device))
+        with pytest.warns(UserWarning, match="captured again"):
+            for _ in range(5):  # a warm-up, the capture, 3 replays
+                x = backend.randn(1, 2)
+                torch.testing.assert_close(graphed(x), net(x))
+    assert [info.replays for info in graphed.graphs()] == [3]

@@ -229,7 +229,11 @@ def _check_module(module: torch.nn.Module) -> None:
 def _graphed(fn: Any, calls: list[DifferentiableCall]) -> Any:
     """The graphed callable: the entry of each shape's call in turn, then the slow path of
     the call whose shapes match (or the first one's error)."""
-    entries = [GraphEntry(None, call, routes(call.signature, call.outputs)) for call in calls]
+    entries = []
+    for call in calls:  # each captured already: no warm-up, no backend of their own
+        entry = GraphEntry(None, call.name, call.name, fn, 1, None, routes)
+        entry.fill(call)
+        entries.append(entry)
 
     def graphed(*args: Any, **kwargs: Any) -> Any:
         for entry in entries:

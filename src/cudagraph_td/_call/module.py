@@ -6,7 +6,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal
 
 import tensordict.nn
 import torch
@@ -14,10 +14,10 @@ import torch
 from .._capture import default_backend as _default_backend
 from .._capture import devices as _devices
 from .._capture import distributed as _distributed
-from .._capture import graph as _graph
 from .._capture import sharing as _sharing
 from .._capture.backend import SharedPool, backend_factory, can_borrow, check_options
-from .._capture.entry import MISS
+from .._capture.entry import MISS, GraphEntry, GraphKey
+from .._capture.graph import capture_turn
 from .._compat import raw_stream
 from .._errors import borrowed as _errors_borrowed
 from .._errors import inputs as _errors
@@ -48,14 +48,6 @@ if TYPE_CHECKING:
     from .._shapes.options import DeprecatedOptions
 
 Graphs = _shapes.Graphs
-
-
-class GraphsKey(NamedTuple):
-    """What picks a wrapper's `Graphs` (which then pick a graph by the call's shapes)."""
-
-    mode: Mode
-    device: torch.device | None  # None off CUDA
-    values: tuple[Any, ...]  # the values of the static arguments (see `_call.static`)
 
 
 class CudaGraphModule(tensordict.nn.CudaGraphModule):
@@ -280,15 +272,22 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             make_backend = backend_factory(
                 self._backend_name, self.device, self._pool, mode, self._agreement, borrow
             )
-        # What makes the runner of each new graph (nothing in it refers to the wrapper).
-        self._new_runner = functools.partial(
-            _graph.GraphRunner, name, self._fn, warmup, make_backend, self._lock
+        # What makes the entry of each new graph (nothing in it refers to the wrapper).
+        self._new_entry = functools.partial(
+            GraphEntry,
+            name=name,
+            fn=self._fn,
+            warmup=warmup,
+            make_backend=make_backend,
+            routes=self._routes,
+            lock=self._lock,
         )
-        # The graphs by mode, device (None off CUDA; see `_capture.devices`) and static values.
-        self._graphs: dict[GraphsKey, Graphs] = {}
+        # The graphs by mode, device (None off CUDA; see `_capture.devices`) and static
+        # values: under their key with `shapes` None (see `_capture.entry.GraphKey`).
+        self._graphs: dict[GraphKey, Graphs] = {}
         # The entries of its graphs by the key of the calls they answered: what `__call__` runs.
         self._table = GraphTable(module, not isinstance(self._shapes, Static), self._static)
-        self._last_key: GraphsKey | None = None  # the graphs of the last slow call
+        self._last_key: GraphKey | None = None  # the graphs of the last slow call
         # Per mode and device, the calls past max_graphs static values (see `_select`).
         self._overflows: dict[tuple[Mode, torch.device | None], Overflow] = {}
         self._order: _sharing.ReplayOrder | None = None  # its replay order (see `_capture.sharing`)
@@ -334,13 +333,12 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         entry = answer.entry
         if entry is None:
             return answer.result
-        graph = (key, entry.key)  # as verify= counts its replays
-        if verifier is not None and answer.replayed and verifier.wants(graph):
-            with _graph.capture_turn(self._lock):  # the function runs only under it
-                verifier.check(copies, args, kwargs, answer.result, entry, graph)
+        if verifier is not None and answer.replayed and verifier.wants(entry.key):
+            with capture_turn(self._lock):  # the function runs only under it
+                verifier.check(copies, args, kwargs, answer.result, entry)
         # Not while verify= checks its replays, nor for a DDP step, whose calls agree on their
         # graph first (see `_capture.distributed`).
-        settled = verifier is None or not verifier.wants(graph)
+        settled = verifier is None or not verifier.wants(entry.key)
         if answer.for_table and settled and self._agreement is None:
             self._table.add(call_key, entry)
         return answer.result
@@ -351,7 +349,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         kwargs: dict[str, Any],
         mode: Mode | None = None,
         flat: Flat | None = None,
-    ) -> tuple[GraphsKey, Graphs | None]:
+    ) -> tuple[GraphKey, Graphs | None]:
         """The graphs of the call's mode, device and static values (`_shapes.graphs.Graphs.run` then
         picks the graph by the call's shapes); None past ``max_graphs`` static values."""
         mode = _modes.current_mode(self.module) if mode is None else mode
@@ -359,7 +357,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         if self._backend_name == "cuda":
             device = _devices.call_device(args, kwargs, self.device, flat)
         values = () if self._static is None else self._static.key(args, kwargs)
-        key = GraphsKey(mode, device, values)
+        key = GraphKey(mode, device, values, None)
         graphs = self._graphs.get(key)
         if graphs is None:
             others = [k.device for k in self._graphs if k.device not in (None, device)]
@@ -372,8 +370,8 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
                 self._name,
                 self._shapes,
                 self._agreement,
-                self._new_runner,
-                self._routes,
+                key,
+                self._new_entry,
                 self._fn,
                 self._lock,
                 _log.graph_label(self._name, self.module, self._shown(key)),
@@ -384,9 +382,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         """How many values of the static arguments have graphs in this mode and device."""
         return sum(k.mode == mode and k.device == device for k in self._graphs)
 
-    def _static_overflow(
-        self, key: GraphsKey, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
+    def _static_overflow(self, key: GraphKey, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call with one value of the static arguments more than ``max_graphs``: eager, after
         a warning (once), or an error."""
         assert self._static is not None
@@ -406,9 +402,9 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         where = self._last_key
         if where is None:
             return None
-        return self._graphs.get(GraphsKey(_modes.current_mode(self.module), *where[1:]))
+        return self._graphs.get(where._replace(mode=_modes.current_mode(self.module)))
 
-    def _shown(self, key: GraphsKey) -> str:
+    def _shown(self, key: GraphKey) -> str:
         """A mode as ``graphs()`` and ``repr`` show it, with its device if there are several."""
         several = len({k.device for k in self._graphs}) > 1
         shown = _modes.mode_name(key.mode, key.device if several else None)
@@ -515,8 +511,9 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
                 entry
                 for key, graphs in self._graphs.items()
                 if mode is None or key.mode == mode
-                for entry in graphs.entries.values()
-                if entry.alive() and (mode is None or entry.reads(args, kwargs))
+                for graph in graphs.entries.values()
+                for entry in (graph, *graph.rows.values())  # a bucket's rows too
+                if entry.captured is not None and (mode is None or entry.reads(args, kwargs))
             ]
             if not entries:
                 raise _errors_borrowed.no_input_buffers(self._name, bool(args or kwargs))

@@ -1,36 +1,35 @@
 """The graph table: the entries of a wrapper's graphs, by the key of the calls they answered.
 
-A call's key (``CallKey``) is what picks its graph before its inputs are read: its mode
-(tensordict's interaction type, grad mode, the module's training mode, the autocast state:
-see `_call.modes`) and, where the wrapper keeps several graphs per mode, the shapes of its
-arguments (``shapes="exact"`` and ``"buckets"``: a TensorDict's is its batch size) and the
-values of its static arguments (see `_call.static`). The table maps each key to the entries
-(`_capture.entry.GraphEntry`) of the graphs that answered calls of that key on the slow path,
-most recent first: usually one; two when calls that the key does not tell apart (another
-device, a TensorDict's entries of other shapes) take other graphs. A call whose key is in
-the table replays at once; any other takes the wrapper's slow path, which answers it and
-adds the entry that answered under its key (``add``).
+A call's key is a graph key (`_capture.entry.GraphKey`) read before its tensors are: its
+mode (tensordict's interaction type, grad mode, the module's training mode, the autocast
+state: see `_call.modes`), no device (each entry checks it), the values of its static
+arguments (see `_call.static`) and, where the wrapper keeps several graphs per mode
+(``shapes="exact"`` and ``"buckets"``), the shapes of its arguments (a TensorDict's is its
+batch size). The table maps each key to the entries (`_capture.entry.GraphEntry`) of the
+graphs that answered calls of that key on the slow path, most recent first: usually one;
+two when calls that the key does not tell apart (another device, a TensorDict's entries of
+other shapes) take other graphs. A call whose key is in the table replays at once; any
+other takes the wrapper's slow path, which answers it and adds the entry that answered under
+its key (``add``).
 
 Nothing in a key is checked here: each entry checks the call in full (structure, shapes,
-dtypes, devices, the state it reads) and answers ``MISS`` for a call it cannot replay, which
-the slow path then answers and explains.
+dtypes, devices, the state it reads) and answers ``MISS`` for a call it cannot replay (one
+that is warming up, or emptied for a new capture, misses every call), which the slow path
+then answers and explains. An entry stays its graph's for the graph's whole life, so the
+table never holds one that another replaced.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from typing import Any
 
-from .._capture.entry import GraphEntry
+from .._capture.entry import GraphEntry, GraphKey
 from .modes import Mode, mode_reader
 from .static import StaticArgs
 
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
 
-CallKey = Hashable
-"""A call's key: its mode; with several shapes, ``(mode, shapes)``; with static arguments,
-``(that, static values)``. Plain tuples: one is made at every call."""
 
 # The most entries kept per key (calls of one key that take other graphs).
 ENTRIES_PER_KEY = 4
@@ -48,20 +47,20 @@ class GraphTable:
         self._by_shapes = by_shapes
         self._static = static
         self._mode = mode_reader(module)  # the call's mode, read at every call
-        self._entries: dict[CallKey, tuple[GraphEntry, ...]] = {}
+        self._entries: dict[GraphKey, tuple[GraphEntry, ...]] = {}
 
-    def key(self, args: Args, kwargs: Kwargs, mode: Mode | None = None) -> CallKey:
-        """The key of a call now (``mode``: the call's, if known already)."""
-        key: CallKey = self._mode() if mode is None else mode
+    def key(self, args: Args, kwargs: Kwargs, mode: Mode | None = None) -> GraphKey:
+        """The key of a call now (``mode``: the call's, if known already). A plain tuple of
+        a `GraphKey`'s fields, which hashes and compares as one, made faster."""
+        values = () if self._static is None else self._static.values(args, kwargs)
+        shapes = None
         if self._by_shapes:
             # The shapes of its arguments, by position then by keyword (None for one without).
-            shapes = [getattr(a, "shape", None) for a in args]
+            listed = [getattr(a, "shape", None) for a in args]
             if kwargs:
-                shapes.extend((name, getattr(v, "shape", None)) for name, v in kwargs.items())
-            key = (key, tuple(shapes))
-        if self._static is not None:
-            key = (key, self._static.values(args, kwargs))
-        return key
+                listed.extend((name, getattr(v, "shape", None)) for name, v in kwargs.items())
+            shapes = tuple(listed)
+        return (self._mode() if mode is None else mode, None, values, shapes)  # type: ignore[return-value]
 
     def find(self, args: Args, kwargs: Kwargs) -> tuple[GraphEntry, ...]:
         """The entries for a call like this one (none for a key never seen)."""
@@ -70,20 +69,11 @@ class GraphTable:
         except (KeyError, TypeError):  # a key never seen, or a static value not hashable
             return ()
 
-    def add(self, key: CallKey, entry: GraphEntry) -> None:
-        """Give calls of ``key`` the entry ``entry`` first. An entry whose graph was captured
-        again (a replaced parameter) leaves every key: it would keep the old graph and its
-        buffers alive."""
+    def add(self, key: GraphKey, entry: GraphEntry) -> None:
+        """Give calls of ``key`` the entry ``entry`` first."""
         known = self._entries.get(key, ())
         if known and known[0] is entry:
             return
-        if any(not e.alive() for entries in self._entries.values() for e in entries):
-            self._entries = {
-                k: live
-                for k, entries in self._entries.items()
-                if (live := tuple(e for e in entries if e.alive()))
-            }
-            known = self._entries.get(key, ())
         rest = tuple(e for e in known if e is not entry)
         self._entries[key] = (entry, *rest)[:ENTRIES_PER_KEY]
 

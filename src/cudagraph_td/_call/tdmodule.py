@@ -90,21 +90,21 @@ class TensorDictLayer:
                 source=list(in_keys), dest=list(out_keys), auto_batch_size=False
             )(functools.partial(TensorDictLayer._call, self))
 
-    def call(self, runner: Graphs, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Answer:
-        """Call the module's graph, which ``runner`` (the mode's graphs) runs, as the module is
+    def call(self, graphs: Graphs, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Answer:
+        """Call the module's graph, which ``graphs`` (the mode's) run, as the module is
         called: the result, and the entry of the graph that answered (see `_shapes.graphs.Answer`)."""
-        # The runner goes through dispatch as a keyword that no in_key can be named, with
+        # The graphs go through dispatch as a keyword that no in_key can be named, with
         # whether the call is one of keyword tensors (dispatch makes their TensorDict), and
         # the list that receives the graphs' answer.
         # Positional tensors are in_keys values too (dispatch makes their TensorDict, of
         # batch size []), as keyword tensors are: the same graph as a TensorDict call's.
         keywords = "tensordict" not in kwargs and not any(map(is_tensor_collection, args))
         answers: list[Answer] = []
-        result = self._dispatched(*args, **kwargs, **{_RUNNER: (runner, keywords, answers)})
+        result = self._dispatched(*args, **kwargs, **{_GRAPHS: (graphs, keywords, answers)})
         return answers[0]._replace(result=result)
 
     def _call(self, tensordict: Any, *args: Any, **kwargs: Any) -> Any:
-        runner, keywords, answers = kwargs.pop(_RUNNER)
+        graphs, keywords, answers = kwargs.pop(_GRAPHS)
         tensordict_out: TensorDictBase | None = kwargs.pop("tensordict_out", None)
         if not is_tensor_collection(tensordict):
             raise _errors.not_a_tensordict(self.name, self.in_keys, tensordict)
@@ -112,25 +112,25 @@ class TensorDictLayer:
         if self.in_keys:
             # After the capture, the full check refuses a call that lacks an entry the
             # graph reads.
-            if runner.captured is None and self._checks_in_keys:
+            if graphs.captured is None and self._checks_in_keys:
                 keys = tensordict.keys(include_nested=True, leaves_only=False)
                 missing = [key for key in self.in_keys if key not in keys]
                 if missing:
                     raise _errors.missing_in_keys(self.name, missing)
             inputs = _batched_as_out(tensordict.select(*self.in_keys, strict=False), tensordict_out)
-            if runner.captured is not None:
-                inputs = _as_captured(inputs, runner.captured, keywords)
+            if graphs.captured is not None:
+                inputs = _as_captured(inputs, graphs.captured, keywords)
         elif tensordict_out is not None:
             # A function that writes into its input writes into a copy, whose entries then
             # go to `tensordict_out`: the caller's TensorDict is left as it was.
             inputs = _batched_as_out(tensordict.copy(), tensordict_out)
         try:
-            answer = runner.run((inputs, *args), kwargs)
+            answer = graphs.run((inputs, *args), kwargs)
         except (_errors.InputMismatchError, _errors.InputKeyError, RuntimeError) as err:
             # The full check named the TensorDict that dispatch made (`args[0]`): a keyword
             # call is told about its keywords (missing, or of another shape, dtype, device or
             # `requires_grad`); any other error is raised as it is.
-            captured = runner.captured
+            captured = graphs.captured
             if not keywords or captured is None:
                 raise
             raise self._keyword_error(captured, inputs) or err from None
@@ -169,7 +169,7 @@ class TensorDictLayer:
         return None
 
 
-_RUNNER = "_cudagraph_td_runner"
+_GRAPHS = "_cudagraph_td_graphs"
 
 
 def _batched_as_out(inputs: Any, tensordict_out: TensorDictBase | None) -> Any:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .._capture.entry import GraphEntry
 from .._errors import inputs as _errors
 from .._shapes.row_check import StateSnapshot
 from .._values import tree as _tree
@@ -56,20 +57,21 @@ class Verifier:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         out: Any,
-        entry: Any,
-        graph: Hashable = None,
+        entry: GraphEntry,
     ) -> None:
         """Run ``fn`` eagerly on ``copies``; raise if its result or inputs differ from the
-        replay's, which ``entry`` (`_capture.entry.GraphEntry`) answered.
+        replay's, which ``entry`` answered (counted by its key: a bucket's rows are its graph).
 
         Raises:
             RuntimeError: The graph is a training step, which an eager run would apply twice.
             VerificationError: A leaf of the result, or an input updated in place, differs.
         """
-        device = entry.runner.backend.device
+        assert entry.backend is not None and entry.captured is not None
+        device = entry.backend.device
+        graph = entry.key
         self.done += 1
         self._checked[graph] = self._checked.get(graph, 0) + 1
-        if entry.graph.training_step:
+        if entry.captured.training_step:
             raise _errors.cannot_verify_training_step(self.name)
         state = StateSnapshot(self.fn)
         with torch.random.fork_rng([device] if device.type == "cuda" else []), torch.no_grad():

@@ -28,7 +28,7 @@ from .._values.outputs import FreshCopies, Outputs
 from .._values.signature import Signature
 from . import sharing as _sharing
 from .backend import Backend, CudaBackend, Graph
-from .captured import Captured
+from .captured import Captured, copy_inputs
 
 
 def _leaves_requiring_grad(
@@ -67,11 +67,7 @@ class _GraphedFunction(torch.autograd.Function):
     def forward(
         ctx: Any, call: DifferentiableCall, ungraded: tuple[str, ...], *inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        n = call.n_inputs
-        static = call.static_inputs
-        # Inputs in place (the caller filled the static inputs, see `input_buffers`): no copy.
-        if n and not (call.inputs_lent and all(map(operator.is_, inputs[:n], static))):
-            foreach_copy_(static, inputs[:n])
+        copy_inputs(call.static_inputs, inputs[: call.n_inputs], call.inputs_lent)
         if call.order is not None:  # after the device's last replay: they share a workspace
             call.order.keep()
         call.replay_forward()

@@ -10,11 +10,13 @@ replay of one: the full check, which raises the error naming the leaf, then the 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
+from .._compat import foreach_copy_
 from .._state.state import State
 from .._values.aliasing import WrittenInputs
 from .._values.borrowed import end_loan
@@ -27,14 +29,41 @@ Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
 
 
-class OneTensorGraph(NamedTuple):
-    """A plain graph with one tensor in and one out and nothing else to do, which a graph's
-    entry launches itself, without a call: its static input list, its replay, and what
-    returns its output (a copy, or a lent tensor)."""
+def copy_inputs(
+    static: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], lent: bool
+) -> None:
+    """Copy a call's input tensors (checked) into a graph's static inputs: the one copy of
+    every launch. None where the caller filled the static inputs themselves (``lent``: they
+    were handed out by ``input_buffers``) and passes them."""
+    if tensors and not (lent and all(map(operator.is_, tensors, static))):
+        foreach_copy_(static, tensors)  # type: ignore[arg-type]  # one call for every tensor
 
-    static_inputs: list[torch.Tensor]
-    output: Callable[[], torch.Tensor]
-    replay: Callable[[], None]
+
+class OneTensorGraph:
+    """A plain graph with one tensor in and one out and nothing else to do: its launch in one
+    call, ``copy_inputs`` for one tensor beside the replay (the replay path of the commonest
+    graph, a policy: see `_capture.entry`)."""
+
+    __slots__ = ("output", "replay", "static_inputs")
+
+    def __init__(
+        self,
+        static_inputs: list[torch.Tensor],
+        output: Callable[[], torch.Tensor],
+        replay: Callable[[], None],
+    ):
+        self.static_inputs = static_inputs
+        self.output = output  # a copy (the tensor's own `clone`, no Python frame), or lent
+        self.replay = replay
+
+    def launch(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Copy ``tensor`` (checked) in, unless it is the static input (see `copy_inputs`:
+        only ``input_buffers`` hands it out), replay, and return the output."""
+        static = self.static_inputs
+        if tensor is not static[0]:
+            foreach_copy_(static, (tensor,))  # faster than `copy_`
+        self.replay()
+        return self.output()
 
 
 class Captured:

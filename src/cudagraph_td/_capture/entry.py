@@ -1,10 +1,13 @@
-"""A graph entry: one captured graph, as a wrapper's table holds it and a call replays it.
+"""A graph entry: one graph's whole life, from its first call to its last replay.
 
-An entry holds its graph's key among the graphs of its mode, the captured call (a plain
-graph, `_capture.graph.GraphCall`, or a forward and backward pair in one autograd node,
-`_capture.autograd.DifferentiableCall`, with the static input buffers), the routes by
-which it reads a call's input tensors and writes its result (`_values.routes`), and its
-counters. ``replay`` is the replay path, top to bottom:
+An entry is made the first time a wrapper sees its key. It holds the graph's warm-up count,
+its backend, the captured call (a plain graph, `_capture.graph.GraphCall`, or a forward and
+backward pair in one autograd node, `_capture.autograd.DifferentiableCall`, with the static
+input buffers, the outputs and their loans), the routes by which it reads a call's input
+tensors and writes its result (`_values.routes`), and its counters. ``run`` is the slow
+path: a warm-up, the capture (which fills the entry), a replay checked in full, or, when
+state the graph reads was replaced, a new capture that replaces what the entry holds and
+restarts its counters. ``replay`` is the replay path, top to bottom:
 
 1. the route of the call's kind (positional, keywords, ``tensordict_out=``) reads the input
    tensors, or misses;
@@ -15,102 +18,210 @@ counters. ``replay`` is the replay path, top to bottom:
 4. the route's writer gives the result its form.
 
 A call that a reader cannot read, or that the check refuses, is a *miss*: ``replay`` returns
-``MISS``, and the wrapper takes its slow path, whose checked replay (``call``) checks the
-call in full and raises the error that names the leaf. Only the slow path explains.
+``MISS``, and the wrapper takes its slow path, whose checked replay checks the call in full
+and raises the error that names the leaf. Only the slow path explains. An entry that holds
+no captured graph (warming up, or emptied for a new capture) misses every call.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from tensordict import TensorDict
 
-from .._compat import foreach_copy_, td_entries, td_set
-from .._values.routes import (
-    TENSORDICT_OUT,
-    Args,
-    IntoTensorDict,
-    Keywords,
-    Kwargs,
-    Route,
-    TensorDictEntries,
-)
-from .._values.signature import metadata
+from .._compat import capturable_on_cpu
+from .._errors import inputs as _errors
+from .._errors import log as _log
+from .._values.borrowed import lease_of
+from .._values.outputs import Outputs
+from .._values.routes import MISS, TENSORDICT_OUT, Args, Keywords, Kwargs, OneKeyTensorDict, Route
+from .._values.signature import Signature, metadata, validate
 from .._values.tree import Flat
 from . import captured as _captured
+from .autograd import DifferentiableCall
+from .backend import Backend
 from .captured import Captured
+from .graph import capture, capture_turn
 
-MISS: Any = object()
-"""What ``GraphEntry.replay`` returns for a call it leaves to the slow path."""
+__all__ = ["MISS", "GraphEntry", "GraphKey"]
 
 Read = Callable[[Args, Kwargs], Sequence[Any] | None]
 Write = Callable[[Args, Kwargs, Sequence[torch.Tensor]], Any]
+Routes = Callable[[Signature, Outputs], list[Route]]
+
+
+class GraphKey(NamedTuple):
+    """Where a call goes: the one key of a wrapper's graphs, and of its table.
+
+    A graph's key: the mode of its calls (grad mode, training mode, interaction type,
+    autocast: see `_call.modes`), its device (None off CUDA), the values of the static
+    arguments (see `_call.static`), and its ``shapes``: None for ``shapes="static"``, the
+    call's structure and tensor shapes for ``"exact"`` (`exact_key`), the bucket's batch
+    dims for ``"buckets"`` (see `_shapes`). The graphs of one mode, device and static values are one
+    `Graphs`, under their key with ``shapes`` None (see `_shapes.graphs`).
+
+    The wrapper's table (`_call.table`) keys calls the same way before reading their
+    tensors: the device left to each entry's check (None), and ``shapes`` as the call's
+    arguments show them (their shapes, a TensorDict's batch size).
+    """
+
+    mode: Any  # `_call.modes.Mode`
+    device: torch.device | None
+    values: tuple[Any, ...]
+    shapes: Hashable
 
 
 def _miss(args: Args, kwargs: Kwargs) -> None:
-    """The reader of a call kind that no route reads."""
+    """The reader of a call kind that no route reads (or of every call, with no graph)."""
     return None
 
 
-class GraphEntry:
-    """One captured graph: its key, the captured call, its routes, its counters.
+_NO_ROUTE: tuple[Read, Write | None] = (_miss, None)
 
-    ``key`` is the graph's key among the graphs of its mode (None for ``shapes="static"``,
-    the call's structure and shapes for ``"exact"``, the bucket for ``"buckets"``).
-    ``routes`` holds a route for calls without keywords and one for calls with keywords, or
-    one route for both (its reader tells), and for a TensorDict module a route for calls with
-    ``tensordict_out`` (else they take the keywords' route). ``runner`` is the graph's
-    runner (`_capture.graph.GraphRunner`), and ``source`` the runner's captured call that
-    ``graph`` is or views (a bucket's rows are an entry of their own, over the bucket's
-    graph): the entry is ``alive`` while the runner holds it (a recapture replaces it).
-    ``rows`` and ``padded_rows``: the batch of the calls it answers, and of its graph.
+
+class GraphEntry:
+    """One graph: its key, its warm-ups, its backend, its captured call, its routes, its counters.
+
+    ``key`` is the graph's key (`GraphKey`; None for a callable of `make_graphed_callables`); ``name`` names the wrapper in
+    errors, ``label`` the graph in log records. ``fn`` is the function it captures, run ``warmup - 1`` times eagerly first;
+    ``make_backend(args, kwargs)`` makes its backend at the first call (None: no graph,
+    every call runs ``fn``); ``routes(signature, outputs)`` its routes once captured;
+    ``lock`` is the wrappers' replay lock, which the calling thread holds. The entry holds
+    no reference to the wrapper that owns it, so that dropping the wrapper frees the graph
+    at once, without waiting for the garbage collector.
+
+    A bucket's graph (see `_shapes.buckets`) replays calls of fewer rows through views of its
+    buffers: each such view is an entry too, one of the bucket entry's ``rows``, filled by
+    ``fill_rows``, and emptied with it.
     """
 
     def __init__(
         self,
-        key: Hashable,
-        graph: Captured,
-        routes: Sequence[Route],
-        runner: Any = None,
-        source: Captured | None = None,
-        rows: int = 1,
-        padded_rows: int = 1,
+        key: GraphKey | None,
+        name: str,
+        label: str,
+        fn: Callable[..., Any],
+        warmup: int,
+        make_backend: Callable[[Args, Kwargs], Backend] | None,
+        routes: Routes,
+        lock: Any = None,
     ):
         self.key = key
-        self.graph = graph
-        self.runner = runner
-        self.source = graph if source is None else source
-        self.rows, self.padded_rows = rows, padded_rows
-        self.replays = 0  # the calls it answered, on either path
-        by_position: tuple[Read, Write | None] = (_miss, None)
-        by_keywords = by_position
+        self.name = name  # the wrapper's class, as errors name it
+        self.label = label
+        self.fn = fn
+        self.warmup = warmup
+        self.make_backend = make_backend
+        self.routes = routes
+        self.lock = lock
+        self.backend: Backend | None = None
+        self.counter = 0  # the calls before the first replay: warm-ups, then the capture
+        self.captured: Captured | None = None
+        self.replays = 0  # the calls the captured graph answered, on either path
+        self.padded_calls = 0  # of which padded to this bucket's size (see `_shapes.buckets`)
+        self.padded_call_rows = 0  # and their rows before the padding
+        self.rows: dict[Hashable, GraphEntry] = {}  # a bucket's rows, by the calls' key
+        self.batch = (1, 1)  # the rows of its calls, and of its graph (a bucket's rows)
+        self._expected: list[Any] = []
+        self._empty_routes()
+
+    # The slow path -------------------------------------------------------------------------
+
+    def run(self, args: Args, kwargs: Kwargs, flat: Flat | None = None, rows: int = 0) -> Any:
+        """Answer a call as the graph's stage requires: a warm-up, the capture, a replay
+        checked in full (``flat``: the call flattened already), or a new capture when state
+        the graph reads was replaced (a recapture). ``rows``: a call padded to this bucket's
+        graph, of that many rows before its padding (counted apart)."""
+        captured = self.captured
+        if captured is not None:
+            if self.holds():
+                out = _captured.call(captured, args, kwargs, flat)
+                if rows:
+                    self.padded_calls += 1
+                    self.padded_call_rows += rows
+                else:
+                    self.replays += 1
+                return out
+            # State the graph reads was replaced: a new capture, from the warm-up (a
+            # RecaptureWarning turned into an error refuses it, and the graph stays as it was).
+            assert captured.state is not None
+            _log.recapturing(self.label, captured.state.recapture(self.name))
+            self.empty()
+        if self.make_backend is None:  # no CUDA: eager calls, capturable optimizers allowed
+            with capturable_on_cpu():  # so that a training step's code runs as on a GPU
+                return self.fn(*args, **kwargs)
+        with capture_turn(self.lock):  # the function runs only under it
+            if self.captured is not None:  # captured by another thread while this one waited
+                return self.run(args, kwargs)
+            backend = self.backend = self.backend or self.make_backend(args, kwargs)
+            if self.counter >= self.warmup - 1:
+                return self._capture(backend, args, kwargs)
+            validate(self.name, args, kwargs, backend.device, allow_grad=torch.is_grad_enabled())
+            stage = f"run warm-up call {self.counter + 1} of {self.warmup - 1}"
+            try:
+                result = backend.warmup(lambda: self.fn(*args, **kwargs))
+            except Exception as err:
+                raise _errors.capture_failure(self.name, stage, err, device=backend.device) from err
+            self.counter += 1
+            _log.warmed_up(self.label, self.counter, self.warmup - 1)
+            return result
+
+    def _capture(self, backend: Backend, args: Args, kwargs: Kwargs) -> Any:
+        logged = _log.logger.isEnabledFor(logging.INFO)
+        device = backend.device
+        on_cuda = logged and device.type == "cuda"
+        reserved = torch.cuda.memory_reserved(device) if on_cuda else 0
+        start = time.perf_counter()
+        captured, result = capture(self.name, self.fn, args, kwargs, backend)
+        elapsed = time.perf_counter() - start
+        self.counter += 1
+        if isinstance(captured, DifferentiableCall):
+            captured.label = self.label  # for its hint (see `_errors.log.no_backward`)
+        lease = lease_of(captured.outputs.copies)
+        if lease is not None:  # outputs="borrowed": errors name the graph as log records do
+            lease.label = self.label
+        self.fill(captured)
+        if logged:
+            grown = torch.cuda.memory_reserved(device) - reserved if on_cuda else None
+            static = [*captured.signature.static_inputs, *captured.outputs.static]
+            autograd = isinstance(captured, DifferentiableCall)
+            _log.captured(self.label, autograd, elapsed, _log.static_bytes(static), grown)
+        return result
+
+    def skip_warmup(self) -> None:
+        """Capture at the next call: another graph's warm-ups did the lazy initialisations."""
+        self.counter = max(self.counter, self.warmup - 1)
+
+    def holds(self) -> bool:
+        """Whether the state its graph reads holds (see `_state.state`): else a recapture."""
+        state = None if self.captured is None else self.captured.state
+        return state is None or state.fresh()
+
+    # What the entry holds ------------------------------------------------------------------
+
+    def fill(self, captured: Captured) -> None:
+        """Hold ``captured``, and the routes, checks and launch that replay it."""
+        self.captured = captured
+        by_keywords = by_position = _NO_ROUTE
         by_out = None
         self._names: list[str] | None = None
-        one = graph.one_tensor
-        # A TensorDict module's commonest graph, one in_key and one out_key, read and written
-        # by the replay itself (two calls fewer: 1.6 us of 41 a call, measured on an H100).
-        self._td_in: Any = None
-        self._td_out: Any = None
-        for reader, writer in routes:
-            if (
-                one is not None
-                and type(reader) is TensorDictEntries
-                and reader.flat
-                and not reader.exact
-                and len(reader.keys) == 1
-                and isinstance(writer, IntoTensorDict)
-                and writer.flat
-                and writer.key is not None
-                and not writer.into_out
-            ):
-                self._td_in, self._td_out, self._td_batch = (
-                    reader.keys[0],
-                    writer.key,
-                    reader.batch_size,
-                )
-                self._td_device = writer.device
+        self._fused: Callable[[Args], Any] | None = None
+        one = captured.one_tensor
+        expected = self._expected = captured.signature.expected
+        # The state it reads (see `_state.state`): a replaced parameter is a miss, and a recapture.
+        holds = self._state_holds = captured.state.fresh if captured.state is not None else None
+        for reader, writer in self.routes(captured.signature, captured.outputs):
+            if one is not None and OneKeyTensorDict.fits(reader, writer):
+                self._fused = OneKeyTensorDict(
+                    reader,  # type: ignore[arg-type]
+                    writer,  # type: ignore[arg-type]
+                    expected[0],
+                    holds,
+                    one.launch,
+                ).replay
             # A result that is the first output itself needs no call: the replay returns it.
             route = (reader.read, None if writer.returns_first else writer.write)
             if reader.keywords == TENSORDICT_OUT:
@@ -124,38 +235,64 @@ class GraphEntry:
                     self._names = reader.names
         self._by_position, self._by_keywords = by_position, by_keywords
         self._by_out = by_keywords if by_out is None else by_out
-        expected = self._expected = graph.signature.expected
         # One tensor in: its metadata compared without a list of one element.
         self._one = expected[0] if len(expected) == 1 else None
-        # The state it reads (see `_state.state`): a replaced parameter is a miss, and a recapture.
-        self._state_holds = graph.state.fresh if graph.state is not None else None
-        # A plain graph with one tensor in and one out: its launch done here, without a call.
-        self._static_inputs: list[torch.Tensor] | None = one.static_inputs if one else None
-        self._one_output: Callable[[], torch.Tensor] | None = one.output if one else None
-        self._one_tensor_replay: Callable[[], None] | None = one.replay if one else None
+        # A plain graph with one tensor in and one out: launched in one call.
+        self._one_launch = one.launch if one is not None else None
 
-    def alive(self) -> bool:
-        """Whether its graph is still its runner's (not captured again since)."""
-        return self.runner is None or self.runner.captured is self.source
+    def fill_rows(self, key: Hashable, rows: Captured, batch: tuple[int, int]) -> GraphEntry:
+        """The entry of this bucket's graph replayed on fewer rows (``rows``, views of its
+        buffers; ``batch``: the calls' rows and the graph's), for calls of ``key``: made on
+        first sight, filled again after a new capture of this graph."""
+        entry = self.rows.get(key)
+        if entry is None:  # the same graph, under this entry's key and label
+            entry = GraphEntry(
+                self.key, self.name, self.label, self.fn, self.warmup, None, self.routes, self.lock
+            )
+            self.rows[key] = entry
+        entry.backend, entry.batch = self.backend, batch
+        entry.fill(rows)
+        return entry
 
-    def holds(self) -> bool:
-        """Whether the state its graph reads holds (see `_state.state`): else a recapture."""
-        return self._state_holds is None or self._state_holds()
+    def empty(self) -> None:
+        """Let go of the captured graph (a new capture follows): what its last replay lent
+        (``outputs="borrowed"``) made unreadable now, its counters restarted, every call a
+        miss until it is captured again; a bucket's rows emptied with it."""
+        self.release()
+        self.captured = self.backend = None
+        self.counter = self.replays = self.padded_calls = self.padded_call_rows = 0
+        for rows in self.rows.values():
+            rows.empty()
+        self._empty_routes()
+
+    def release(self) -> None:
+        """Its graph goes (a reset, a new capture, the wrapper deleted): what its last replay
+        lent made unreadable now, whatever still holds the graph (see
+        `_capture.captured.Captured.end_loans`)."""
+        if self.captured is not None:
+            self.captured.end_loans()
+
+    def _empty_routes(self) -> None:
+        self._by_position = self._by_keywords = self._by_out = _NO_ROUTE
+        self._fused = None
+        self._names = None
+        self._one = self._one_launch = self._state_holds = None
+        self._expected = []
+
+    # The replay path -----------------------------------------------------------------------
 
     def replay(self, args: Args, kwargs: Kwargs) -> Any:
         """Replay the graph for this call; ``MISS`` if the call is not one it reads."""
-        td = None
         if kwargs:
-            read, write = self._by_out if TENSORDICT_OUT in kwargs else self._by_keywords
-            tensors = read(args, kwargs)
-        elif self._td_in is not None:  # `module(td)`: its one in_key read here
-            td = args[0] if len(args) == 1 else None
-            if type(td) is not TensorDict or td.batch_size != self._td_batch:
-                return MISS
-            tensors = (td_entries(td).get(self._td_in),)
+            read, write = self._route(kwargs)
+        elif self._fused is not None:  # `module(td)`, one in_key and one out_key
+            out = self._fused(args)
+            if out is not MISS:
+                self.replays += 1
+            return out
         else:
             read, write = self._by_position
-            tensors = read(args, kwargs)
+        tensors = read(args, kwargs)
         if tensors is None:
             return MISS
         one = self._one
@@ -169,32 +306,23 @@ class GraphEntry:
         state_holds = self._state_holds
         if not same or (state_holds is not None and not state_holds()):
             return MISS
-        one_tensor_replay = self._one_tensor_replay
-        if one_tensor_replay is not None:
-            static_inputs = self._static_inputs
-            if tensors[0] is not static_inputs[0]:  # type: ignore[index]  # (see `input_buffers`)
-                foreach_copy_(static_inputs, tensors)  # type: ignore[arg-type]  # faster than copy_
-            one_tensor_replay()
-            fresh: Sequence[torch.Tensor] = (self._one_output(),)  # type: ignore[misc]
+        one_launch = self._one_launch
+        if one_launch is not None:
+            fresh: Sequence[torch.Tensor] = (one_launch(tensors[0]),)
         else:
-            fresh = self.graph.launch(tensors)
+            fresh = self.captured.launch(tensors)  # type: ignore[union-attr]
         self.replays += 1
-        if td is not None:  # its one out_key set here (see `IntoTensorDict.write`)
-            device = td.device
-            if device is None or device == self._td_device:
-                td_set(td, self._td_out, fresh[0])
-            else:
-                td[self._td_out] = fresh[0]
-            return td
         return fresh[0] if write is None else write(args, kwargs, fresh)
+
+    def _route(self, kwargs: Kwargs) -> tuple[Read, Write | None]:
+        """The route of a call's kind: by its keywords (``tensordict_out=`` or others)."""
+        if not kwargs:
+            return self._by_position
+        return self._by_out if TENSORDICT_OUT in kwargs else self._by_keywords
 
     def reads(self, args: Args, kwargs: Kwargs) -> bool:
         """Whether a replay would read this call (its kind, structure and tensors' metadata)."""
-        if kwargs:
-            read = (self._by_out if TENSORDICT_OUT in kwargs else self._by_keywords)[0]
-        else:
-            read = self._by_position[0]
-        tensors = read(args, kwargs)
+        tensors = self._route(kwargs)[0](args, kwargs)
         try:
             return tensors is not None and list(map(metadata, tensors)) == self._expected
         except Exception:  # a leaf that is not a tensor
@@ -205,16 +333,20 @@ class GraphEntry:
         input copied: keyword tensors by name for ``keywords`` where a route reads them so,
         else the captured call's structure. From now on, a launch copies no input that is
         its static input."""
-        self.graph.inputs_lent = True
-        signature = self.graph.signature
+        assert self.captured is not None
+        self.captured.inputs_lent = True
+        signature = self.captured.signature
         if keywords and self._names is not None:
             return (), dict(zip(self._names, signature.static_inputs, strict=True))
         return signature.static_tree()
 
-    def call(self, args: Args, kwargs: Kwargs, flat: Flat | None = None) -> Any:
-        """The slow path's replay: the full check, which raises the error naming the leaf,
-        then the launch; the result in the structure the function returned (``flat``: the
-        call flattened already, if it is)."""
-        out = _captured.call(self.graph, args, kwargs, flat)
-        self.replays += 1
-        return out
+    def counts(self) -> tuple[int, int, int]:
+        """Its replays since its capture, with its rows' and its padded calls: how many, how
+        many rows they had, and how many their graph replayed (for ``graphs()``)."""
+        size = self.batch[1]
+        replays = self.replays + self.padded_calls
+        rows = self.replays * self.batch[0] + self.padded_call_rows
+        for entry in self.rows.values():
+            replays += entry.replays
+            rows += entry.replays * entry.batch[0]
+        return replays, rows, replays * size

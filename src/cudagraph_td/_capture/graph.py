@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -18,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .._compat import capturable_on_cpu, foreach_copy_, graph_replay
+from .._compat import capturable_on_cpu, graph_replay
 from .._errors import inputs as _errors
 from .._errors import log as _log
 from .._errors import state as _errors_state
@@ -33,7 +32,7 @@ from .._values.signature import Signature, validate
 from . import captured as _captured
 from .autograd import Capture, DifferentiableCall
 from .backend import Backend, Graph
-from .captured import Captured, OneTensorGraph
+from .captured import Captured, OneTensorGraph, copy_inputs
 
 
 class GraphCall(Captured):
@@ -86,10 +85,7 @@ class GraphCall(Captured):
             return self._launch_writing(tensors)
         if self._watch is not None:  # a training step: its gradients and hyperparameters
             self._watch()
-        static = self._static_inputs
-        # Inputs in place (the caller filled the static inputs, see `input_buffers`): no copy.
-        if tensors and not (self.inputs_lent and all(map(operator.is_, tensors, static))):
-            foreach_copy_(static, tensors)  # type: ignore[arg-type]
+        copy_inputs(self._static_inputs, tensors, self.inputs_lent)
         self._replay()
         return self._fresh()
 

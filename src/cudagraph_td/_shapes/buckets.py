@@ -10,12 +10,13 @@ them all, largest first, so that the smaller graphs reuse the largest one's memo
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import torch
 
-from .._capture.entry import GraphEntry
-from .._capture.graph import GraphCall, GraphRunner, capture_turn
+from .._capture.entry import GraphEntry, GraphKey
+from .._capture.graph import GraphCall, capture_turn
 from .._errors import shapes as _errors_shapes
 from .._values import tree as _tree
 from .._values.outputs import Outputs
@@ -28,11 +29,12 @@ from .row_check import check_rows
 
 
 class BucketGraphs(Graphs):
-    """The graphs of one mode, one per bucket size, chosen by the call's batch dims."""
+    """The graphs of one mode, one per bucket size, chosen by the call's batch dims. Each
+    bucket's entry holds, as its ``rows``, the entries of its graph replayed on fewer rows."""
 
     options: Buckets
 
-    _lead: GraphRunner | None = None  # the largest listed bucket's, while it warms up
+    _lead: GraphEntry | None = None  # the largest listed bucket's, while it warms up
     # The buckets whose padding was checked (see `_shapes.row_check`), learned at the first call
     # that each one pads.
     _checked: frozenset[tuple[int, ...]] = frozenset()
@@ -51,29 +53,38 @@ class BucketGraphs(Graphs):
         if torch.is_grad_enabled() and not options.row_independent:
             raise _errors_shapes.padding_refused(self.name, "calls in grad mode")
         self._check(size, batch, args, kwargs)
-        runner = self.runners.get(size)
-        if runner is not None:
+        key = self.key._replace(shapes=size)
+        entry = self.entries.get(key)
+        if entry is not None:
             if flat is None:
                 flat = _tree.flatten((args, kwargs))
-            view = self._rows(size, runner, batch, args, kwargs, flat)
+            view = self._rows(entry, size, batch, args, kwargs, flat)
             if view is not None and view.holds():
-                return Answer(view.call(args, kwargs, flat), view, replayed=True)
-        if runner is None:
+                return Answer(view.run(args, kwargs, flat), view, replayed=True)
+        else:
             group = self._group(size)
             if len(group) > 1:
                 return self._capture_group(group, size, batch, args, kwargs)
-            if len(self.runners) >= options.max_graphs:
+            if len(self.entries) >= options.max_graphs:
                 return Answer(self._overflow(args, kwargs, None))
-            runner = self.runners[size] = self.new_runner(size)
+            entry = self.entries[key] = self.new_entry(size)
+        replayed = entry.captured is not None and entry.holds()
         padded = _padding.resize(args, kwargs, size)
-        answer = self._run(size, runner, *padded, None, _numel(batch), _numel(size))
-        self._refuse(size, runner)
-        result = _padding.rows(self.name, answer.result, size, batch)
+        out = entry.run(*padded, None, rows=0 if batch == size else _numel(batch))
+        self._refuse(key, entry)
+        result = _padding.rows(self.name, out, size, batch)
         # Once a bucket's graph is captured, calls like this one take its rows' entry.
-        view = self._rows(size, runner, batch, args, kwargs, flat)
+        view = self._rows(entry, size, batch, args, kwargs, flat)
         if view is None:
-            return Answer(result, answer.entry, answer.replayed, for_table=False)
-        return Answer(result, view, answer.replayed)
+            captured = entry if entry.captured is not None else None
+            return Answer(result, captured, replayed, for_table=False)
+        return Answer(result, view, replayed)
+
+    def new_entry(self, shapes: Hashable) -> GraphEntry:
+        entry = super().new_entry(shapes)
+        size = _numel(shapes)  # type: ignore[arg-type]
+        entry.batch = (size, size)
+        return entry
 
     def _check(
         self, size: tuple[int, ...], batch: tuple[int, ...], args: Any, kwargs: dict[str, Any]
@@ -90,12 +101,13 @@ class BucketGraphs(Graphs):
 
     def _group(self, size: tuple[int, ...]) -> list[tuple[int, ...]]:
         """The buckets captured together with ``size``, largest first (so that the smaller
-        graphs reuse its memory): every listed one not captured yet (or, for ``precapture``,
+        graphs reuse its memory): every listed one not seen yet (or, for ``precapture``,
         every power of two up to ``size``); just ``size`` for more than one batch dim."""
         if len(size) != 1 or not (self.options.sizes or self.precapturing):
             return [size]
         sizes = self.options.sizes or [1 << k for k in range(size[0].bit_length())]
-        return [(s,) for s in sorted(sizes, reverse=True) if (s,) not in self.runners]
+        seen = {key.shapes for key in self.entries}
+        return [(s,) for s in sorted(sizes, reverse=True) if (s,) not in seen]
 
     def _capture_group(
         self,
@@ -108,61 +120,62 @@ class BucketGraphs(Graphs):
         """Warm up the largest graph of ``group`` on this call (padded); at its capture,
         capture every graph of the group, largest first, and answer with this call's."""
         self._check(group[0], batch, args, kwargs)  # its warm-ups pad the call to it
-        lead = self._lead = self._lead or self.new_runner(group[0])
+        lead = self._lead = self._lead or self.new_entry(group[0])
         if lead.counter < lead.warmup - 1:
             out = lead.run(*_padding.resize(args, kwargs, group[0]))
             return Answer(_padding.rows(self.name, out, group[0], batch))
         self._lead = None
-        self.runners[group[0]] = lead
+        self.entries[self.key._replace(shapes=group[0])] = lead
         answer = Answer(None)
         for each in group:
-            runner = self.runners.setdefault(each, self.new_runner(each))
-            runner.skip_warmup()  # the largest's warm-ups did the lazy initialisations
-            out = runner.run(*_padding.resize(args, kwargs, each))
-            self._refuse(each, runner)
+            key = self.key._replace(shapes=each)
+            entry = self.entries.get(key) or self.entries.setdefault(key, self.new_entry(each))
+            entry.skip_warmup()  # the largest's warm-ups did the lazy initialisations
+            out = entry.run(*_padding.resize(args, kwargs, each))
+            self._refuse(key, entry)
             if each == size:
                 result = _padding.rows(self.name, out, size, batch)
-                view = self._rows(size, runner, batch, args, kwargs)
+                view = self._rows(entry, size, batch, args, kwargs)
                 answer = Answer(result, view, for_table=view is not None)
         return answer
 
-    def _refuse(self, size: tuple[int, ...], runner: GraphRunner) -> None:
+    def _refuse(self, key: GraphKey, entry: GraphEntry) -> None:
         """Drop a graph just captured, and raise, if it is a training step (unless declared
         row-independent), or if it returns an input or a view of one (see
         `_values.input_views`): padded calls and a bucket's rows would return copies."""
-        captured = runner.captured
+        captured = entry.captured
         if captured is None:
             return
         if captured.training_step and not self.options.row_independent:
-            del self.runners[size]
+            del self.entries[key]
             raise _errors_shapes.padding_refused(self.name, "a training step")
         if captured.input_views is not None:
-            del self.runners[size]
+            del self.entries[key]
             output, input_path = captured.input_views.first()
             raise _errors_shapes.input_returned_padded(self.name, output, input_path)
 
     def _rows(
         self,
+        entry: GraphEntry,
         size: tuple[int, ...],
-        runner: GraphRunner,
         batch: tuple[int, ...],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         flat: Flat | None = None,
     ) -> GraphEntry | None:
-        """The entry of ``runner``'s captured graph (a bucket's) replayed on ``batch`` rows of
-        its buffers, for calls like this one; None if it is not captured, or captured for
-        autograd, or if the call differs from the capture in more than its batch dims (the
-        padded call's full check then names the leaf)."""
-        captured = runner.captured
+        """The entry of the bucket ``size``'s captured graph (``entry``'s) replayed on ``batch`` rows of
+        its buffers, for calls like this one: one of ``entry.rows``; None if it is not
+        captured, or captured for autograd, or if the call differs from the capture in more
+        than its batch dims (the padded call's full check then names the leaf)."""
+        captured = entry.captured
         if not isinstance(captured, GraphCall):
             return None
         # By the call's structure too: a TensorDict and keyword tensors read other rows.
         if flat is None:
             flat = _tree.flatten((args, kwargs))
-        where = (size, batch, exact_key(flat))
-        known = self.entries.get(where)
-        if known is not None and known.source is captured:
+        where = (batch, exact_key(flat))
+        known = entry.rows.get(where)
+        if known is not None and known.captured is not None:
             return known
         signature = captured.signature
         if signature.diagnose(args, kwargs, shapes=False) is not None:
@@ -181,11 +194,7 @@ class BucketGraphs(Graphs):
         # The rows' outputs lent under the bucket graph's lease, with outputs="borrowed".
         rows_outputs = Outputs(self.name, result, outputs.device, lent=outputs.lent)
         view = captured.rows(rows_signature, rows_outputs)
-        routes = self._routes(view.signature, view.outputs)
-        self._forget_replaced()
-        entry = GraphEntry(size, view, routes, runner, captured, _numel(batch), _numel(size))
-        self.entries[where] = entry
-        return entry
+        return entry.fill_rows(where, view, (_numel(batch), _numel(size)))
 
 
 def _numel(batch: tuple[int, ...]) -> int:

@@ -4,11 +4,11 @@
 call's structure and the shapes of its tensors), each on first sight with its own warm-up. ``"buckets"`` pads
 the batch dims of a call to the next bucket size (see `_shapes.buckets`).
 
-``Graphs`` holds the graphs of one mode: a runner per graph (`_capture.graph.GraphRunner`:
-its warm-ups, capture and recaptures), and the entry of each captured graph
-(`_capture.entry.GraphEntry`). ``Graphs.run`` is the one place that picks a graph by the
-call's key, and answers the call on the wrapper's slow path: its result, and the entry that
-the wrapper's table gives calls like it (`Answer`).
+``Graphs`` holds the graphs of one mode, device and static values: each one's entry
+(`_capture.entry.GraphEntry`: its warm-ups, capture, recaptures and replays) by its key
+(`GraphKey`). ``Graphs.run`` is the one place that picks a graph by the call's key, and
+answers the call on the wrapper's slow path: its result, and the entry that the wrapper's
+table gives calls like it (`Answer`).
 """
 
 from __future__ import annotations
@@ -19,16 +19,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from .._capture import captured as _captured
 from .._capture.captured import Captured
-from .._capture.entry import GraphEntry
-from .._capture.graph import GraphRunner, capture_turn
+from .._capture.entry import GraphEntry, GraphKey
+from .._capture.graph import capture_turn
 from .._errors import log as _log
 from .._errors import shapes as _errors_shapes
 from .._values import tree as _tree
-from .._values.outputs import Outputs
-from .._values.routes import Route
-from .._values.signature import Signature
 from .options import Buckets, Exact, Static
 
 if TYPE_CHECKING:
@@ -40,12 +36,14 @@ class GraphInfo(NamedTuple):
     serves (grad mode, training mode, interaction type, autocast, the values of static
     arguments), its key (None for ``shapes="static"``, the structure and input shapes for
     ``"exact"``, the batch dims for ``"buckets"``), whether it is captured, the calls it
-    answered by a replay, and the fraction of the rows it replayed that were padding."""
+    answered by a replay since it was last captured (a recapture, after a replaced
+    parameter, starts the count again), and the fraction of the rows it replayed that were
+    padding."""
 
     mode: str  # the mode it serves: grad mode, training mode, interaction type, autocast
     key: Any  # None ("static"), the input tensors' shapes ("exact"), the batch dims ("buckets")
     captured: bool  # False while it warms up
-    replays: int  # the calls it answered by a replay
+    replays: int  # the calls its current capture answered by a replay
     padded: float  # the fraction of the rows it replayed that were padding
 
 
@@ -73,13 +71,17 @@ class Answer(NamedTuple):
     for_table: bool = True
 
 
-class Graphs:
-    """The graphs of one mode of a wrapper, chosen by the shapes of each call.
+NewEntry = Callable[..., GraphEntry]
+"""Makes the entry of a new graph, from its key and its label in log records."""
 
-    ``new_runner()`` makes the runner of a new graph; ``routes(signature, outputs)`` the
-    routes of a captured graph's entry (see `_values.routes`); ``fn`` is the function, for
-    the calls that no graph answers; ``label`` names the mode's graphs in log records (see
-    `_errors.log`).
+
+class Graphs:
+    """The graphs of one mode, device and static values of a wrapper, by the shapes of
+    each call: ``entries``, each graph's entry by its key, made on first sight.
+
+    ``key`` is theirs (``shapes`` None); ``new_entry(key, label)`` makes the entry of a new
+    graph; ``fn`` is the function, for the calls that no graph answers; ``label`` names
+    the mode's graphs in log records (see `_errors.log`).
     """
 
     def __init__(
@@ -87,8 +89,8 @@ class Graphs:
         name: str,
         options: Static | Exact | Buckets,
         agreement: Agreement | None,
-        new_runner: Callable[[], GraphRunner],
-        routes: Callable[[Signature, Outputs], list[Route]],
+        key: GraphKey,
+        new_entry: NewEntry,
         fn: Callable[..., Any],
         lock: Any,
         label: str = "",
@@ -99,45 +101,39 @@ class Graphs:
         self.options = options
         # The ranks' agreement on each call's graph, for a DDP step (see `_capture.distributed`).
         self.agreement = agreement
-        self.runners: dict[Hashable, GraphRunner] = {}
-        # The entry of each runner's captured graph, by the graph's key, and (buckets) of
-        # its rows, by the rows' key (see `_shapes.buckets`).
-        self.entries: dict[Hashable, GraphEntry] = {}
+        self.key = key
+        self.entries: dict[GraphKey, GraphEntry] = {}
         self.precapturing = False
-        self._new_runner = new_runner
-        self._routes = routes
+        self._new_entry = new_entry
         self._lock = lock
-        # Replays that no live entry counts: those of graphs captured again since, and of
-        # calls padded to a bucket's graph; by (key, rows, padded rows).
-        self._counts: dict[tuple[Hashable, int, int], int] = {}
         self.overflow = Overflow(options, self.label)
 
     @property
     def captured(self) -> Captured | None:
         """The one graph's captured call ("static"); None otherwise (for the TensorDict layer)."""
-        runner = self.runners.get(None) if isinstance(self.options, Static) else None
-        return None if runner is None else runner.captured
+        entry = self.entries.get(self.key) if isinstance(self.options, Static) else None
+        return None if entry is None else entry.captured
 
     def release(self) -> None:
         """Its graphs go (a reset, the wrapper deleted): their loans end now."""
-        for runner in self.runners.values():
-            runner.release()
+        for entry in self.entries.values():
+            entry.release()
 
     def captured_any(self) -> bool:
-        return any(runner.captured is not None for runner in self.runners.values())
+        return any(entry.captured is not None for entry in self.entries.values())
 
     def counter(self) -> int:
         """The calls before the first replay, of the graph that went furthest."""
-        return max((runner.counter for runner in self.runners.values()), default=0)
+        return max((entry.counter for entry in self.entries.values()), default=0)
 
     def stage(self) -> str:
         """Where the graphs stand, for the wrapper's ``repr``."""
-        captured = sum(runner.captured is not None for runner in self.runners.values())
+        captured = sum(entry.captured is not None for entry in self.entries.values())
         if not isinstance(self.options, Static):
-            return f"{captured} of {len(self.runners)} graphs captured"
+            return f"{captured} of {len(self.entries)} graphs captured"
         if captured:
             return "captured: calls replay the graph"
-        warmups = next(iter(self.runners.values())).warmup - 1 if self.runners else 0
+        warmups = next(iter(self.entries.values())).warmup - 1 if self.entries else 0
         return f"warming up: {self.counter()} of {warmups} warm-up calls done"
 
     # Picking the graph ---------------------------------------------------------------------
@@ -149,76 +145,33 @@ class Graphs:
         ``flat``: the call flattened already, if it is; else flattened here, once."""
         if flat is None:
             flat = _tree.flatten((args, kwargs))
-        key = None if isinstance(self.options, Static) else exact_key(flat)
-        if key is not None and self.agreement is not None:
-            self.agreement.same(key, _shown(key))
-        runner = self.runners.get(key)
-        if runner is None:
-            if self.runners and isinstance(self.options, Exact):
-                self._admit(key, args, kwargs)
-                if len(self.runners) >= self.options.max_graphs:
-                    return Answer(self._overflow(args, kwargs, None))
-            runner = self.runners[key] = self.new_runner(key)
-        return self._run(key, runner, args, kwargs, flat)
-
-    def new_runner(self, key: Hashable) -> GraphRunner:
-        """The runner of the graph of ``key``, which names it so in log records."""
-        runner = self._new_runner()
-        runner.label = self.label if key is None else f"{self.label}, key {_shown(key)}"
-        return runner
-
-    def _run(
-        self,
-        key: Hashable,
-        runner: GraphRunner,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        flat: _tree.Flat | None = None,
-        rows: int = 1,
-        padded_rows: int = 1,
-    ) -> Answer:
-        """The call's graph: replayed, checked in full, if it is captured and the state it
-        reads holds; else warmed up, captured, or captured again (`GraphRunner.run`). A call
-        padded to a bucket's graph (``rows`` of ``padded_rows``) is counted apart."""
-        entry = self.entry(key, runner)
-        if entry is not None and entry.holds():
-            if rows == padded_rows:
-                return Answer(entry.call(args, kwargs, flat), entry, replayed=True)
-            out = _captured.call(entry.graph, args, kwargs, flat)
-            where = (key, rows, padded_rows)
-            self._counts[where] = self._counts.get(where, 0) + 1
-            return Answer(out, entry, replayed=True, for_table=False)
-        out = runner.run(args, kwargs)
-        return Answer(out, self.entry(key, runner))
-
-    def entry(self, key: Hashable, runner: GraphRunner) -> GraphEntry | None:
-        """The entry of ``runner``'s captured graph (None while it warms up), made once."""
-        captured = runner.captured
-        if captured is None:
-            return None
+        shapes = None if isinstance(self.options, Static) else exact_key(flat)
+        if shapes is not None and self.agreement is not None:
+            self.agreement.same(shapes, _shown(shapes))
+        key = self.key._replace(shapes=shapes)
         entry = self.entries.get(key)
-        if entry is None or entry.source is not captured:
-            self._forget_replaced()
-            routes = self._routes(captured.signature, captured.outputs)
-            entry = self.entries[key] = GraphEntry(key, captured, routes, runner)
-        return entry
+        if entry is None:
+            if self.entries and isinstance(self.options, Exact):
+                self._admit(shapes, args, kwargs)
+                if len(self.entries) >= self.options.max_graphs:
+                    return Answer(self._overflow(args, kwargs, None))
+            entry = self.entries[key] = self.new_entry(shapes)
+        replayed = entry.captured is not None and entry.holds()
+        out = entry.run(args, kwargs, flat)
+        return Answer(out, entry if entry.captured is not None else None, replayed)
 
-    def _forget_replaced(self) -> None:
-        """Drop the entries of graphs captured again since (a replaced parameter): they
-        would keep the old graphs and their buffers alive. Their counts stay."""
-        for where, entry in list(self.entries.items()):
-            if not entry.alive():
-                del self.entries[where]
-                counted = (entry.key, entry.rows, entry.padded_rows)
-                self._counts[counted] = self._counts.get(counted, 0) + entry.replays
+    def new_entry(self, shapes: Hashable) -> GraphEntry:
+        """The entry of the graph of ``shapes``, which names it so in log records."""
+        label = self.label if shapes is None else f"{self.label}, key {_shown(shapes)}"
+        return self._new_entry(self.key._replace(shapes=shapes), label=label)
 
-    def _admit(self, key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _admit(self, shapes: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Raise if a call differs by more than its shapes from the graphs of its structure
-        (``key``'s first item); a call of another structure (an optional argument passed, or
-        None) takes a graph of its own."""
-        for other, runner in self.runners.items():
-            if other[0] == key[0] and runner.captured is not None:  # type: ignore[index]
-                error = runner.captured.signature.diagnose(args, kwargs, shapes=False)
+        (``shapes``' first item); a call of another structure (an optional argument passed,
+        or None) takes a graph of its own."""
+        for key, entry in self.entries.items():
+            if key.shapes[0] == shapes[0] and entry.captured is not None:  # type: ignore[index]
+                error = entry.captured.signature.diagnose(args, kwargs, shapes=False)
                 if error is not None:
                     raise error
                 return
@@ -237,7 +190,7 @@ class Graphs:
             message = _errors_shapes.above_buckets_eager(self.name, batch, options.sizes, elsewhere)
         else:
             reason = _errors_shapes.PAST_MAX_GRAPHS
-            seen = [_shown(k) for k in self.runners]
+            seen = [_shown(key.shapes) for key in self.entries]
             message = _errors_shapes.too_many_graphs(
                 self.name, options.max_graphs, seen, options.overflow
             )
@@ -246,24 +199,13 @@ class Graphs:
     # Introspection -------------------------------------------------------------------------
 
     def infos(self, mode: str) -> list[GraphInfo]:
-        """The graphs of this mode."""
-        counts = dict(self._counts)
-        for entry in self.entries.values():
-            counted = (entry.key, entry.rows, entry.padded_rows)
-            counts[counted] = counts.get(counted, 0) + entry.replays
-        replays: dict[Hashable, int] = {}
-        rows: dict[Hashable, list[int]] = {}
-        for (key, real, padded), hits in counts.items():
-            replays[key] = replays.get(key, 0) + hits
-            total = rows.setdefault(key, [0, 0])
-            total[0] += hits * real
-            total[1] += hits * padded
+        """The graphs of this mode: each one's replays since its capture (see `GraphEntry.counts`)."""
         infos = []
-        for key, runner in self.runners.items():
-            real, padded = rows.get(key, (0, 0))
-            fraction = 1 - real / padded if padded else 0.0
-            captured = runner.captured is not None
-            infos.append(GraphInfo(mode, _shown(key), captured, replays.get(key, 0), fraction))
+        for key, entry in self.entries.items():
+            replays, rows, replayed_rows = entry.counts()
+            padded = 1 - rows / replayed_rows if replayed_rows else 0.0
+            captured = entry.captured is not None
+            infos.append(GraphInfo(mode, _shown(key.shapes), captured, replays, padded))
         return infos
 
 

@@ -30,7 +30,10 @@ from .._compat import td_entries, td_has_names, td_set
 from . import tree as _tree
 from .input_views import WROTE_INPUT, into_callers, is_written_input
 from .outputs import Outputs
-from .signature import Signature
+from .signature import Signature, metadata
+
+MISS: Any = object()
+"""What a replay answers for a call it leaves to the slow path (see `_capture.entry`)."""
 
 TENSORDICT_OUT = "tensordict_out"
 """The keyword of a TensorDict module's call that names where its outputs go."""
@@ -282,6 +285,68 @@ class OutKeyValues:
 
 
 # Routes ----------------------------------------------------------------------------------
+
+
+class OneKeyTensorDict:
+    """``module(td)`` of a TensorDict module with one in_key and one out_key, both strings,
+    whose graph takes one tensor and gives one (`_capture.captured.OneTensorGraph`): the
+    commonest call of an RL policy, read, checked, launched and written in one call. It is
+    ``TensorDictEntries.read``, the metadata check and ``IntoTensorDict.write`` for that
+    case, fused (two calls fewer: 1.6 µs of 41 a call, measured on an H100).
+
+    ``expected``: the metadata of the captured entry (see `_values.signature.metadata`);
+    ``holds``: whether the state the graph reads holds (see `_state.state`), or None;
+    ``launch``: the graph's one-tensor launch.
+    """
+
+    def __init__(
+        self,
+        reader: TensorDictEntries,
+        writer: IntoTensorDict,
+        expected: tuple[Any, ...],
+        holds: Callable[[], bool] | None,
+        launch: Callable[[torch.Tensor], torch.Tensor],
+    ):
+        self.in_key, self.out_key = reader.keys[0], writer.key
+        self.batch_size, self.device = reader.batch_size, writer.device
+        self.expected = expected
+        self.holds = holds
+        self.launch = launch
+
+    @staticmethod
+    def fits(reader: Reader, writer: Writer) -> bool:
+        """Whether ``(reader, writer)`` is the route this one fuses."""
+        return (
+            type(reader) is TensorDictEntries
+            and reader.flat
+            and not reader.exact
+            and len(reader.keys) == 1
+            and isinstance(writer, IntoTensorDict)
+            and writer.flat
+            and writer.key is not None
+            and not writer.into_out
+        )
+
+    def replay(self, args: Args) -> Any:
+        """The call's result, or ``MISS``."""
+        td = args[0] if len(args) == 1 else None
+        if type(td) is not TensorDict or td.batch_size != self.batch_size:
+            return MISS
+        tensor = td_entries(td).get(self.in_key)
+        try:
+            same = metadata(tensor) == self.expected
+        except Exception:  # not a tensor, or no entry
+            same = False
+        holds = self.holds
+        if not same or (holds is not None and not holds()):
+            return MISS
+        out = self.launch(tensor)  # type: ignore[arg-type]  # a tensor: checked above
+        device = td.device
+        if device is None or device == self.device:  # see `IntoTensorDict`
+            td_set(td, self.out_key, out)
+        else:
+            td[self.out_key] = out
+        return td
 
 
 class Route(NamedTuple):

@@ -4,7 +4,7 @@
 their tensors into the graph's static buffers, and keeps what a replay compares: the
 treespec, the indices of the tensor leaves and each one's ``metadata``, and the
 non-tensor constants. ``Signature.read`` is the general reader of the replay path (see
-`_call.replay`); ``Signature.match`` is the slow path's full check, whose
+`_capture.entry`); ``Signature.match`` is the slow path's full check, whose
 ``Signature.diagnose`` walks the trees to find the offending leaf and build the error
 that names it.
 """
