@@ -10,6 +10,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from cudagraph_td._values.tree import flatten_call
+
 from .conftest import Backend, current_entry
 
 HINT = "or call `reset()` to capture the graph again for the new inputs."
@@ -347,7 +349,7 @@ def test_one_tensordict_batch_is_read_by_key_and_matches_eager(
     # Flattening reads (the general reader) and full checks (the slow path) are counted.
     monkeypatch.setattr(signature, "read", counting(signature.read))
     monkeypatch.setattr(signature, "match", counting(signature.match))
-    graphed._select((_batch(backend),), {})
+    graphed._select(flatten_call((_batch(backend),), {}))
     results = []
     for _ in range(3):
         td = _batch(backend)

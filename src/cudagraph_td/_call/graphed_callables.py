@@ -18,6 +18,7 @@ from .._errors import state as _errors_state
 from .._state.search import modules_state
 from .._values.routes import routes
 from .._values.signature import Signature
+from .._values.tree import flatten, flatten_call
 
 
 def make_graphed_callables(
@@ -153,7 +154,7 @@ def make_graphed_callables(
         shape_pool = (
             torch.cuda.graph_pool_handle() if chosen.backend == "cuda" and pool is None else pool
         )
-        example = [each[k] for each in samples if k < len(each)]
+        example, _ = flatten([each[k] for each in samples if k < len(each)])
         backends.append(
             make_backend(
                 chosen.backend, None, shape_pool, capture_error_mode, example, borrow=borrow
@@ -169,7 +170,8 @@ def make_graphed_callables(
         name = f"{_errors.GRAPHED_CALLABLES}({described})"  # its errors tell by it
         forward = fn.forward if isinstance(fn, torch.nn.Module) else fn
         for (args, kwargs), graph_backend, in_pool in zip(each, backends, in_pools, strict=False):
-            signature = Signature(name, args, kwargs, device, allow_grad=True, function=forward)
+            call = flatten_call(args, kwargs)
+            signature = Signature(name, call, device, allow_grad=True, function=forward)
             capture = Capture(name, forward, signature, graph_backend, [], allow_unused_input)
             # The emulation builds its static buffers from an eager result, and lent outputs
             # their own memory (see `_capture.backend`): they need one run.
@@ -243,13 +245,14 @@ def _graphed(fn: Any, calls: list[DifferentiableCall]) -> Any:
         # The slow path. As with torch's function, the inputs' `requires_grad` may differ
         # from the samples': the forward replays, and an input whose gradient the graph
         # does not compute refuses the backward (see `DifferentiableCall.ungraded`).
+        flat = flatten_call(args, kwargs)
         call = next(
-            (c for c in calls if c.signature.diagnose(args, kwargs, requires_grad=False) is None),
+            (c for c in calls if c.signature.diagnose(flat, requires_grad=False) is None),
             calls[0],
         )
         if call.state is not None and not call.state.fresh():  # no recapture here: refuse
             raise _errors_state.replaced_after_capture(call.name, call.state.changes())
-        tensors = call.signature.match(args, kwargs, requires_grad=False)
+        tensors = call.signature.match(flat, requires_grad=False)
         return call.outputs.rebuild(call.launch(tensors, call.ungraded(tensors)))
 
     if not isinstance(fn, torch.nn.Module):

@@ -33,7 +33,7 @@ from .._values.input_views import recording_writes
 from .._values.outputs import Outputs
 from .._values.routes import Route, Routing, routes
 from .._values.signature import Signature
-from .._values.tree import Flat
+from .._values.tree import Call
 from . import copying as _copying
 from . import modes as _modes
 from . import static as _static
@@ -314,28 +314,28 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         mode = _modes.current_mode(self.module)
         call_key = self._table.key(args, kwargs, mode)
         # The call flattened once, for every step that reads it (the TensorDict layer's graphs
-        # read the TensorDict it makes: they flatten that).
-        flat = _tree.flatten((args, kwargs)) if self._layer is None else None
-        key, graphs = self._select(args, kwargs, mode, flat)
+        # read the TensorDict it makes of it: they flatten that).
+        call = _tree.flatten_call(args, kwargs)
+        key, graphs = self._select(call, mode)
         if graphs is None:  # a value of the static arguments past max_graphs
-            return self._static_overflow(key, args, kwargs)
+            return self._static_overflow(key, call)
         self._last_key = key
         device = key.device
         if device is not None:  # this device's replays follow the last one there
             self._order = _sharing.ordered(device.index)
         verifier = self._verifier
         # While verify= is on, the slow path serves the replays still to check.
-        copies = None if verifier is None else verifier.copy_inputs(args, kwargs)
+        copies = None if verifier is None else verifier.copy_inputs(call)
         if self._layer is not None:
             answer = self._layer.call(graphs, args, kwargs)
         else:
-            answer = graphs.run(args, kwargs, flat)
+            answer = graphs.run(call)
         entry = answer.entry
         if entry is None:
             return answer.result
         if verifier is not None and answer.replayed and verifier.wants(entry.key):
             with capture_turn(self._lock):  # the function runs only under it
-                verifier.check(copies, args, kwargs, answer.result, entry)
+                verifier.check(copies, call, answer.result, entry)
         # Not while verify= checks its replays, nor for a DDP step, whose calls agree on their
         # graph first (see `_capture.distributed`).
         settled = verifier is None or not verifier.wants(entry.key)
@@ -343,26 +343,20 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             self._table.add(call_key, entry)
         return answer.result
 
-    def _select(
-        self,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        mode: Mode | None = None,
-        flat: Flat | None = None,
-    ) -> tuple[GraphKey, Graphs | None]:
+    def _select(self, call: Call, mode: Mode | None = None) -> tuple[GraphKey, Graphs | None]:
         """The graphs of the call's mode, device and static values (`_shapes.graphs.Graphs.run` then
         picks the graph by the call's shapes); None past ``max_graphs`` static values."""
         mode = _modes.current_mode(self.module) if mode is None else mode
         device = None
         if self._backend_name == "cuda":
-            device = _devices.call_device(args, kwargs, self.device, flat)
-        values = () if self._static is None else self._static.key(args, kwargs)
+            device = _devices.call_device(call.leaves, self.device)
+        values = () if self._static is None else self._static.key(call.args, call.kwargs)
         key = GraphKey(mode, device, values, None)
         graphs = self._graphs.get(key)
         if graphs is None:
             others = [k.device for k in self._graphs if k.device not in (None, device)]
             if others and device is not None:  # graphs on another device: may it follow?
-                _devices.check_follows(self._name, self.module, device, others[0], args, kwargs)
+                _devices.check_follows(self._name, self.module, device, others[0], call)
             if values and self._static_values(mode, device) >= self._shapes.max_graphs:
                 return key, None
             kind = BucketGraphs if isinstance(self._shapes, Buckets) else Graphs
@@ -382,7 +376,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         """How many values of the static arguments have graphs in this mode and device."""
         return sum(k.mode == mode and k.device == device for k in self._graphs)
 
-    def _static_overflow(self, key: GraphKey, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _static_overflow(self, key: GraphKey, call: Call) -> Any:
         """A call with one value of the static arguments more than ``max_graphs``: eager, after
         a warning (once), or an error."""
         assert self._static is not None
@@ -396,7 +390,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
             self._name, self._shapes.max_graphs, seen, self._shapes.overflow, "Static values"
         )
         reason = _errors_shapes.PAST_MAX_STATIC_VALUES
-        return overflow.call(self._fn, args, kwargs, self._lock, reason, message, 5)
+        return overflow.call(self._fn, call, self._lock, reason, message, 5)
 
     def _current_graphs(self) -> Graphs | None:  # the current mode's, on the last call's device
         where = self._last_key
@@ -544,7 +538,7 @@ class CudaGraphModule(tensordict.nn.CudaGraphModule):
         if self._backend_name == "eager":
             return
         with self._lock:
-            _, graphs = self._select(args, kwargs)
+            _, graphs = self._select(_tree.flatten_call(args, kwargs))
             if graphs is None:
                 raise _errors_shapes.not_captured_after_precapture(type(self).__name__)
             graphs.precapturing = True

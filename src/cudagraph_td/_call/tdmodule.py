@@ -26,6 +26,7 @@ from .._errors import inputs as _errors
 from .._shapes.graphs import Answer, Graphs
 from .._values.input_views import WROTE_INPUT
 from .._values.routes import key_tuple
+from .._values.tree import flatten_call
 
 
 def resolve_keys(name: str, module: Any, in_keys: Any, out_keys: Any) -> tuple[Any, Any]:
@@ -125,7 +126,7 @@ class TensorDictLayer:
             # go to `tensordict_out`: the caller's TensorDict is left as it was.
             inputs = _batched_as_out(tensordict.copy(), tensordict_out)
         try:
-            answer = graphs.run((inputs, *args), kwargs)
+            answer = graphs.run(flatten_call((inputs, *args), kwargs))
         except (_errors.InputMismatchError, _errors.InputKeyError, RuntimeError) as err:
             # The full check named the TensorDict that dispatch made (`args[0]`): a keyword
             # call is told about its keywords (missing, or of another shape, dtype, device or

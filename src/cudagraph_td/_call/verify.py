@@ -24,6 +24,7 @@ from .._capture.entry import GraphEntry
 from .._errors import inputs as _errors
 from .._shapes.row_check import StateSnapshot
 from .._values import tree as _tree
+from .._values.tree import Call
 
 
 class VerificationError(RuntimeError):
@@ -44,18 +45,16 @@ class Verifier:
         """Whether the next replay of ``graph`` is to be checked."""
         return self._checked.get(graph, 0) < self.replays
 
-    def copy_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def copy_inputs(self, call: Call) -> Any:
         """The call's inputs with every tensor cloned: the eager run's own, taken before the replay."""
-        leaves, spec = _tree.flatten((args, kwargs))
         with torch.no_grad():
-            copies = [t.clone() if isinstance(t, torch.Tensor) else t for t in leaves]
-        return _tree.unflatten(spec, copies)
+            copies = [t.clone() if isinstance(t, torch.Tensor) else t for t in call.leaves]
+        return _tree.unflatten(call.spec, copies)
 
     def check(
         self,
         copies: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        call: Call,
         out: Any,
         entry: GraphEntry,
     ) -> None:
@@ -78,8 +77,8 @@ class Verifier:
             expected = self.fn(*copies[0], **copies[1])
         state.restore_written()  # the replay's values, where the eager run moved them
         difference = _first_difference(out, expected, "output")
-        if difference is None:  # the inputs that the function updates in place
-            difference = _first_difference((args, kwargs), copies, None)
+        if difference is None:  # the inputs as the call left them (a TensorDict written into)
+            difference = _first_difference((call.args, call.kwargs), copies, None)
         if difference is not None:
             replay = self._checked[graph]
             raise VerificationError(_errors.verification_failed(self.name, replay, *difference))

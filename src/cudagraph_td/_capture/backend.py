@@ -61,18 +61,18 @@ def make_backend(
     device: torch.device | None,
     pool: Any,
     capture_error_mode: str,
-    inputs: Any,
+    leaves: list[Any],
     agreement: Agreement | None = None,
     borrow: bool = False,
 ) -> Backend:
-    """The backend called ``name``; a CUDA one on ``device``, else on the inputs' device
-    (see `_capture.devices.call_device`). ``agreement``: the ranks' `Agreement` of a DDP
+    """The backend called ``name``; a CUDA one on ``device``, else on the device of the
+    first call's ``leaves`` (see `_capture.devices.call_device`). ``agreement``: the ranks' `Agreement` of a DDP
     step, else None. ``borrow``: outputs lent, not copied (``outputs="borrowed"``)."""
     backend: Backend
     if name == "emulate":
         backend = EmulatedBackend(device, rerun=agreement is not None)  # see `EmulatedBackend`
     else:
-        device = call_device((inputs,), {}, device)
+        device = call_device(leaves, device)
         backend = CudaBackend(device, pool, capture_error_mode, agreement)
     backend.borrow = borrow
     return backend
@@ -95,12 +95,11 @@ def backend_factory(
     capture_error_mode: str,
     agreement: Agreement | None,
     borrow: bool = False,
-) -> Callable[[tuple[Any, ...], dict[str, Any]], Backend]:
-    """What makes a wrapper's backend from the inputs of its first call (see `make_backend`)."""
+) -> Callable[[list[Any]], Backend]:
+    """What makes a wrapper's backend from the leaves of its first call (see `make_backend`)."""
 
-    def make(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Backend:
-        inputs = (args, kwargs)
-        return make_backend(name, device, pool, capture_error_mode, inputs, agreement, borrow)
+    def make(leaves: list[Any]) -> Backend:
+        return make_backend(name, device, pool, capture_error_mode, leaves, agreement, borrow)
 
     return make
 

@@ -23,7 +23,7 @@ from .._values.borrowed import end_loan
 from .._values.input_views import InputViews, into_callers
 from .._values.outputs import Outputs
 from .._values.signature import Signature
-from .._values.tree import Flat
+from .._values.tree import Call
 
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
@@ -137,9 +137,10 @@ class Captured:
         return views.result(outputs, tensors)
 
 
-def call(captured: Captured, args: Args, kwargs: Kwargs, flat: Flat | None = None) -> Any:
-    """The slow path: the full check (which raises the error naming the leaf), then a replay
-    (``flat``: the call flattened already, if it is)."""
-    tensors = captured.signature.match(args, kwargs, flat=flat)
+def replay_checked(captured: Captured, call: Call) -> Any:
+    """The slow path's replay: the full check (which raises the error naming the leaf), then
+    the launch; the result in the structure the function returned."""
+    tensors = captured.signature.match(call)
     # A TensorDict argument returned: the caller's, its written entries set (see `IntoCallers`).
-    return into_callers(args, kwargs, captured.outputs.rebuild(captured.launch(tensors)))
+    outputs = captured.outputs.rebuild(captured.launch(tensors))
+    return into_callers(call.args, call.kwargs, outputs)

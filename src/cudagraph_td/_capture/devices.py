@@ -17,27 +17,25 @@ import torch
 from .._errors import inputs as _errors
 from .._state.search import find_state
 from .._state.state import modules_entries
-from .._values import tree as _tree
+from .._values.tree import Call
 
 
-def call_device(
-    args: tuple[Any, ...], kwargs: dict[str, Any], fixed: Any, flat: _tree.Flat | None = None
-) -> torch.device:
+def call_device(leaves: list[Any], fixed: Any) -> torch.device:
     """The device of a call's graphs: the wrapper's ``device=`` (``fixed``) if given with an
-    index, else the device of the first CUDA tensor input, else the current CUDA device
-    (``flat``: the call flattened already, if it is)."""
+    index, else the device of the first CUDA tensor of the call's ``leaves``, else the
+    current CUDA device."""
     if fixed is not None and fixed.index is not None:
         return fixed  # type: ignore[no-any-return]
     if fixed is None:
-        for leaf in (_tree.flatten((args, kwargs)) if flat is None else flat)[0]:
+        for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda":
                 return leaf.device
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def first_on(device: torch.device, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+def first_on(device: torch.device, call: Call) -> str:
     """The path of the first tensor input on ``device`` (the one a call followed)."""
-    for path, leaf in _tree.leaves_with_paths((args, kwargs)):
+    for path, leaf in zip(call.paths(), call.leaves, strict=True):
         if isinstance(leaf, torch.Tensor) and leaf.device == device:
             return path
     return "the current CUDA device"
@@ -48,8 +46,7 @@ def check_follows(
     fn: Any,
     device: torch.device,
     home: torch.device,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    call: Call,
 ) -> None:
     """Raise if ``fn`` reaches state on another CUDA device than ``device``, where a call
     asks for new graphs while the wrapper's others are on ``home``."""
@@ -64,5 +61,5 @@ def check_follows(
             )
     for path, t in tensors:
         if t.device.type == "cuda" and t.device != device:
-            where = first_on(device, args, kwargs)
+            where = first_on(device, call)
             raise _errors.cannot_follow(name, where, home, device, path, t.device)

@@ -39,7 +39,7 @@ from .._values.borrowed import lease_of
 from .._values.outputs import Outputs
 from .._values.routes import MISS, TENSORDICT_OUT, Args, Keywords, Kwargs, OneKeyTensorDict, Route
 from .._values.signature import Signature, metadata, validate
-from .._values.tree import Flat
+from .._values.tree import Call
 from . import captured as _captured
 from .autograd import DifferentiableCall
 from .backend import Backend
@@ -87,7 +87,7 @@ class GraphEntry:
 
     ``key`` is the graph's key (`GraphKey`; None for a callable of `make_graphed_callables`); ``name`` names the wrapper in
     errors, ``label`` the graph in log records. ``fn`` is the function it captures, run ``warmup - 1`` times eagerly first;
-    ``make_backend(args, kwargs)`` makes its backend at the first call (None: no graph,
+    ``make_backend(leaves)`` makes its backend at the first call (None: no graph,
     every call runs ``fn``); ``routes(signature, outputs)`` its routes once captured;
     ``lock`` is the wrappers' replay lock, which the calling thread holds. The entry holds
     no reference to the wrapper that owns it, so that dropping the wrapper frees the graph
@@ -105,7 +105,7 @@ class GraphEntry:
         label: str,
         fn: Callable[..., Any],
         warmup: int,
-        make_backend: Callable[[Args, Kwargs], Backend] | None,
+        make_backend: Callable[[list[Any]], Backend] | None,
         routes: Routes,
         lock: Any = None,
     ):
@@ -130,15 +130,15 @@ class GraphEntry:
 
     # The slow path -------------------------------------------------------------------------
 
-    def run(self, args: Args, kwargs: Kwargs, flat: Flat | None = None, rows: int = 0) -> Any:
+    def run(self, call: Call, rows: int = 0) -> Any:
         """Answer a call as the graph's stage requires: a warm-up, the capture, a replay
-        checked in full (``flat``: the call flattened already), or a new capture when state
-        the graph reads was replaced (a recapture). ``rows``: a call padded to this bucket's
-        graph, of that many rows before its padding (counted apart)."""
+        checked in full, or a new capture when state the graph reads was replaced (a
+        recapture). ``rows``: a call padded to this bucket's graph, of that many rows before
+        its padding (counted apart)."""
         captured = self.captured
         if captured is not None:
             if self.holds():
-                out = _captured.call(captured, args, kwargs, flat)
+                out = _captured.replay_checked(captured, call)
                 if rows:
                     self.padded_calls += 1
                     self.padded_call_rows += rows
@@ -152,30 +152,30 @@ class GraphEntry:
             self.empty()
         if self.make_backend is None:  # no CUDA: eager calls, capturable optimizers allowed
             with capturable_on_cpu():  # so that a training step's code runs as on a GPU
-                return self.fn(*args, **kwargs)
+                return self.fn(*call.args, **call.kwargs)
         with capture_turn(self.lock):  # the function runs only under it
             if self.captured is not None:  # captured by another thread while this one waited
-                return self.run(args, kwargs)
-            backend = self.backend = self.backend or self.make_backend(args, kwargs)
+                return self.run(call, rows)
+            backend = self.backend = self.backend or self.make_backend(call.leaves)
             if self.counter >= self.warmup - 1:
-                return self._capture(backend, args, kwargs)
-            validate(self.name, args, kwargs, backend.device, allow_grad=torch.is_grad_enabled())
+                return self._capture(backend, call)
+            validate(self.name, call, backend.device, allow_grad=torch.is_grad_enabled())
             stage = f"run warm-up call {self.counter + 1} of {self.warmup - 1}"
             try:
-                result = backend.warmup(lambda: self.fn(*args, **kwargs))
+                result = backend.warmup(lambda: self.fn(*call.args, **call.kwargs))
             except Exception as err:
                 raise _errors.capture_failure(self.name, stage, err, device=backend.device) from err
             self.counter += 1
             _log.warmed_up(self.label, self.counter, self.warmup - 1)
             return result
 
-    def _capture(self, backend: Backend, args: Args, kwargs: Kwargs) -> Any:
+    def _capture(self, backend: Backend, call: Call) -> Any:
         logged = _log.logger.isEnabledFor(logging.INFO)
         device = backend.device
         on_cuda = logged and device.type == "cuda"
         reserved = torch.cuda.memory_reserved(device) if on_cuda else 0
         start = time.perf_counter()
-        captured, result = capture(self.name, self.fn, args, kwargs, backend)
+        captured, result = capture(self.name, self.fn, call, backend)
         elapsed = time.perf_counter() - start
         self.counter += 1
         if isinstance(captured, DifferentiableCall):

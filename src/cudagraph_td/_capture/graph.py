@@ -1,7 +1,7 @@
 """A graph's life: warm-up calls, the capture, then replays.
 
-``GraphRunner`` runs a function through the stages of one graph. ``capture`` records
-the call that ends the warm-up: a plain graph (``GraphCall``) or, when the result needs
+A graph's entry (`_capture.entry.GraphEntry`) runs a function through the stages of one
+graph. ``capture`` records the call that ends the warm-up: a plain graph (``GraphCall``) or, when the result needs
 gradients, a forward and a backward graph inside an autograd node (see `_capture.autograd`). Either
 is a complete captured call (`_capture.captured.Captured`) that the replay path launches.
 """
@@ -9,28 +9,25 @@ is a complete captured call (`_capture.captured.Captured`) that the replay path 
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from .._compat import capturable_on_cpu, graph_replay
+from .._compat import graph_replay
 from .._errors import inputs as _errors
-from .._errors import log as _log
 from .._errors import state as _errors_state
 from .._state import training as _training
 from .._state.state import Flags, State
 from .._values import tree as _tree
 from .._values.aliasing import versions, written
-from .._values.borrowed import lease_of
 from .._values.input_views import InputViews, ReturnedTensorDicts, tensordicts_before
 from .._values.outputs import Outputs
-from .._values.signature import Signature, validate
+from .._values.signature import Signature
+from .._values.tree import Call
 from . import captured as _captured
-from .autograd import Capture, DifferentiableCall
+from .autograd import Capture
 from .backend import Backend, Graph
 from .captured import Captured, OneTensorGraph, copy_inputs
 
@@ -91,22 +88,18 @@ class GraphCall(Captured):
 
 
 def capture(
-    name: str,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    backend: Backend,
+    name: str, fn: Callable[..., Any], call: Call, backend: Backend
 ) -> tuple[_captured.Captured, Any]:
-    """Capture ``fn(*args, **kwargs)``; return the captured call and this call's result.
+    """Capture the function's ``call``; return the captured call and this call's result.
 
     The call runs ``fn`` eagerly once, on the caller's inputs, for its result and its
     effects; the capture that follows only records kernels. When grad mode is on and the
     result requires grad, the graph is captured for autograd (forward and backward).
     """
     grad = torch.is_grad_enabled()
-    signature = Signature(name, args, kwargs, backend.device, allow_grad=grad, function=fn)
-    inputs = signature.read(args, kwargs)
-    assert inputs is not None
+    args, kwargs = call.args, call.kwargs
+    signature = Signature(name, call, backend.device, allow_grad=grad, function=fn)
+    inputs = signature.tensors(call)
     before = versions(inputs)
     tensordicts = tensordicts_before(args, kwargs)
     observed = _training.Observation(fn)
@@ -209,101 +202,3 @@ def capture_turn(lock: Any = None) -> Iterator[None]:
         yield
     finally:
         _CAPTURE_LOCK.release()
-
-
-class GraphRunner:
-    """The life of one graph: warm-up calls, the capture, then replays.
-
-    ``runner.run(args, kwargs)`` calls ``fn(*args, **kwargs)`` as the current stage requires:
-    calls ``1 … warmup-1`` run it eagerly through the backend, call ``warmup`` captures it,
-    later calls replay the graph through the slow path (`_capture.captured.call`); the owner's fast
-    path is built from ``captured``. ``make_backend(args, kwargs)`` makes the backend on the
-    first call, from its inputs; ``None`` means no graph at all: every call runs ``fn``.
-    The runner holds no reference to the wrapper that owns it, so that dropping the wrapper
-    frees the graph at once, without waiting for the garbage collector.
-    """
-
-    def __init__(
-        self,
-        name: str,
-        fn: Callable[..., Any],
-        warmup: int,
-        make_backend: Callable[[tuple[Any, ...], dict[str, Any]], Backend] | None,
-        lock: Any = None,
-    ):
-        self.name = name
-        self.lock = lock  # the owner's lock, held by the thread that calls `run`
-        self.fn = fn
-        self.warmup = warmup
-        self.make_backend = make_backend
-        self.backend: Backend | None = None
-        self.counter = 0
-        self.captured: _captured.Captured | None = None
-        self.label = name  # what log records call its graph (set by its `Graphs`)
-
-    def release(self) -> None:
-        """Its graph goes (a reset, the wrapper deleted): its loans end now (see
-        `_capture.captured.Captured.end_loans`)."""
-        if self.captured is not None:
-            self.captured.end_loans()
-
-    def skip_warmup(self) -> None:
-        """Capture at the next call: another graph's warm-ups did the lazy initialisations."""
-        self.counter = max(self.counter, self.warmup - 1)
-
-    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.captured is not None:
-            state = self.captured.state
-            if state is None or state.fresh():
-                return _captured.call(self.captured, args, kwargs)
-            # State the graph reads was replaced: a new capture, from the warm-up (a
-            # RecaptureWarning turned into an error refuses it, and the graph stays as it was).
-            _log.recapturing(self.label, state.recapture(self.name))
-            self.captured.end_loans()  # the old graph's last outputs, whatever still holds it
-            self.captured = self.backend = None
-            self.counter = 0
-        if self.make_backend is None:  # no CUDA: eager calls, capturable optimizers allowed
-            with capturable_on_cpu():  # so that a training step's code runs as on a GPU
-                return self.fn(*args, **kwargs)
-        return self._prepare(args, kwargs)
-
-    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A warm-up call or the capture, under the capture lock."""
-        with capture_turn(self.lock):
-            if self.captured is not None:  # captured by another thread while this one waited
-                return self.run(args, kwargs)
-            assert self.make_backend is not None
-            backend = self.backend = self.backend or self.make_backend(args, kwargs)
-            if self.counter >= self.warmup - 1:
-                return self._capture(backend, args, kwargs)
-            validate(self.name, args, kwargs, backend.device, allow_grad=torch.is_grad_enabled())
-            stage = f"run warm-up call {self.counter + 1} of {self.warmup - 1}"
-            try:
-                result = backend.warmup(lambda: self.fn(*args, **kwargs))
-            except Exception as err:
-                raise _errors.capture_failure(self.name, stage, err, device=backend.device) from err
-            self.counter += 1
-            _log.warmed_up(self.label, self.counter, self.warmup - 1)
-            return result
-
-    def _capture(self, backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        logged = _log.logger.isEnabledFor(logging.INFO)
-        device = backend.device
-        on_cuda = logged and device.type == "cuda"
-        reserved = torch.cuda.memory_reserved(device) if on_cuda else 0
-        start = time.perf_counter()
-        captured, result = capture(self.name, self.fn, args, kwargs, backend)
-        elapsed = time.perf_counter() - start
-        self.captured = captured
-        self.counter += 1
-        if isinstance(captured, DifferentiableCall):
-            captured.label = self.label  # for its hint (see `_errors.log.no_backward`)
-        lease = lease_of(captured.outputs.copies)
-        if lease is not None:  # outputs="borrowed": errors name the graph as log records do
-            lease.label = self.label
-        if logged:
-            grown = torch.cuda.memory_reserved(device) - reserved if on_cuda else None
-            static = [*captured.signature.static_inputs, *captured.outputs.static]
-            autograd = isinstance(captured, DifferentiableCall)
-            _log.captured(self.label, autograd, elapsed, _log.static_bytes(static), grown)
-        return result

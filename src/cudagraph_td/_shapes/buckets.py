@@ -11,7 +11,6 @@ them all, largest first, so that the smaller graphs reuse the largest one's memo
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any
 
 import torch
 
@@ -21,7 +20,7 @@ from .._errors import shapes as _errors_shapes
 from .._values import tree as _tree
 from .._values.outputs import Outputs
 from .._values.signature import Signature
-from .._values.tree import Flat
+from .._values.tree import Call
 from . import padding as _padding
 from .graphs import Answer, Graphs, exact_key
 from .options import Buckets
@@ -39,42 +38,38 @@ class BucketGraphs(Graphs):
     # that each one pads.
     _checked: frozenset[tuple[int, ...]] = frozenset()
 
-    def run(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], flat: Flat | None = None
-    ) -> Answer:
+    def run(self, call: Call) -> Answer:
         options = self.options
-        batch = _padding.batch_of(self.name, args, kwargs, options.batch_dims)
+        batch = _padding.batch_of(self.name, call, options.batch_dims)
         size = _padding.bucket_for(batch, options.sizes)
         own = size
         if self.agreement is not None:  # every rank of a DDP step: the same graph
             size = self.agreement.largest(size)
         if size is None:  # above every bucket: this call's batch, or another rank's
-            return Answer(self._overflow(args, kwargs, batch, elsewhere=own is not None))
+            return Answer(self._overflow(call, batch, elsewhere=own is not None))
         if torch.is_grad_enabled() and not options.row_independent:
             raise _errors_shapes.padding_refused(self.name, "calls in grad mode")
-        self._check(size, batch, args, kwargs)
+        self._check(size, batch, call)
         key = self.key._replace(shapes=size)
         entry = self.entries.get(key)
         if entry is not None:
-            if flat is None:
-                flat = _tree.flatten((args, kwargs))
-            view = self._rows(entry, size, batch, args, kwargs, flat)
+            view = self._rows(entry, size, batch, call)
             if view is not None and view.holds():
-                return Answer(view.run(args, kwargs, flat), view, replayed=True)
+                return Answer(view.run(call), view, replayed=True)
         else:
             group = self._group(size)
             if len(group) > 1:
-                return self._capture_group(group, size, batch, args, kwargs)
+                return self._capture_group(group, size, batch, call)
             if len(self.entries) >= options.max_graphs:
-                return Answer(self._overflow(args, kwargs, None))
+                return Answer(self._overflow(call, None))
             entry = self.entries[key] = self.new_entry(size)
         replayed = entry.captured is not None and entry.holds()
-        padded = _padding.resize(args, kwargs, size)
-        out = entry.run(*padded, None, rows=0 if batch == size else _numel(batch))
+        padded = _tree.flatten_call(*_padding.resize(call, size))  # another call: its own
+        out = entry.run(padded, rows=0 if batch == size else _numel(batch))
         self._refuse(key, entry)
         result = _padding.rows(self.name, out, size, batch)
         # Once a bucket's graph is captured, calls like this one take its rows' entry.
-        view = self._rows(entry, size, batch, args, kwargs, flat)
+        view = self._rows(entry, size, batch, call)
         if view is None:
             captured = entry if entry.captured is not None else None
             return Answer(result, captured, replayed, for_table=False)
@@ -86,9 +81,7 @@ class BucketGraphs(Graphs):
         entry.batch = (size, size)
         return entry
 
-    def _check(
-        self, size: tuple[int, ...], batch: tuple[int, ...], args: Any, kwargs: dict[str, Any]
-    ) -> None:
+    def _check(self, size: tuple[int, ...], batch: tuple[int, ...], call: Call) -> None:
         """The first time the bucket ``size`` pads a call, check that the function's rows
         are independent of each other (see `_shapes.row_check`); not if the user says they are."""
         options = self.options
@@ -96,7 +89,7 @@ class BucketGraphs(Graphs):
             return
         if self.agreement is None:  # a DDP step is a training step: refused anyway
             with capture_turn(self._lock):  # the function runs only under it
-                check_rows(self.name, self._fn, args, kwargs, size, batch)
+                check_rows(self.name, self._fn, call, size, batch)
         self._checked = self._checked | {size}
 
     def _group(self, size: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -114,15 +107,14 @@ class BucketGraphs(Graphs):
         group: list[tuple[int, ...]],
         size: tuple[int, ...],
         batch: tuple[int, ...],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        call: Call,
     ) -> Answer:
         """Warm up the largest graph of ``group`` on this call (padded); at its capture,
         capture every graph of the group, largest first, and answer with this call's."""
-        self._check(group[0], batch, args, kwargs)  # its warm-ups pad the call to it
+        self._check(group[0], batch, call)  # its warm-ups pad the call to it
         lead = self._lead = self._lead or self.new_entry(group[0])
         if lead.counter < lead.warmup - 1:
-            out = lead.run(*_padding.resize(args, kwargs, group[0]))
+            out = lead.run(_tree.flatten_call(*_padding.resize(call, group[0])))
             return Answer(_padding.rows(self.name, out, group[0], batch))
         self._lead = None
         self.entries[self.key._replace(shapes=group[0])] = lead
@@ -131,11 +123,11 @@ class BucketGraphs(Graphs):
             key = self.key._replace(shapes=each)
             entry = self.entries.get(key) or self.entries.setdefault(key, self.new_entry(each))
             entry.skip_warmup()  # the largest's warm-ups did the lazy initialisations
-            out = entry.run(*_padding.resize(args, kwargs, each))
+            out = entry.run(_tree.flatten_call(*_padding.resize(call, each)))
             self._refuse(key, entry)
             if each == size:
                 result = _padding.rows(self.name, out, size, batch)
-                view = self._rows(entry, size, batch, args, kwargs)
+                view = self._rows(entry, size, batch, call)
                 answer = Answer(result, view, for_table=view is not None)
         return answer
 
@@ -159,9 +151,7 @@ class BucketGraphs(Graphs):
         entry: GraphEntry,
         size: tuple[int, ...],
         batch: tuple[int, ...],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        flat: Flat | None = None,
+        call: Call,
     ) -> GraphEntry | None:
         """The entry of the bucket ``size``'s captured graph (``entry``'s) replayed on ``batch`` rows of
         its buffers, for calls like this one: one of ``entry.rows``; None if it is not
@@ -171,24 +161,22 @@ class BucketGraphs(Graphs):
         if not isinstance(captured, GraphCall):
             return None
         # By the call's structure too: a TensorDict and keyword tensors read other rows.
-        if flat is None:
-            flat = _tree.flatten((args, kwargs))
-        where = (batch, exact_key(flat))
+        where = (batch, exact_key(call))
         known = entry.rows.get(where)
         if known is not None and known.captured is not None:
             return known
         signature = captured.signature
-        if signature.diagnose(args, kwargs, shapes=False) is not None:
+        if signature.diagnose(call, shapes=False) is not None:
             return None
         dims = len(size)
         index = tuple(slice(0, n) for n in batch)
         heads = [t[index] for t in signature.static_inputs]
-        tensors = signature.tensors(args, kwargs, flat)
+        tensors = signature.tensors(call)
         for t, static in zip(tensors, signature.static_inputs, strict=True):
             if t.shape[dims:] != static.shape[dims:]:
                 return None
         device = signature.static_inputs[0].device if heads else torch.device("cpu")
-        rows_signature = Signature(self.name, args, kwargs, device, static_inputs=heads)
+        rows_signature = Signature(self.name, call, device, static_inputs=heads)
         outputs = captured.outputs
         result = _padding.rows(self.name, outputs.rebuild(outputs.static), size, batch)
         # The rows' outputs lent under the bucket graph's lease, with outputs="borrowed".

@@ -24,7 +24,7 @@ from .._capture.entry import GraphEntry, GraphKey
 from .._capture.graph import capture_turn
 from .._errors import log as _log
 from .._errors import shapes as _errors_shapes
-from .._values import tree as _tree
+from .._values.tree import Call
 from .options import Buckets, Exact, Static
 
 if TYPE_CHECKING:
@@ -138,26 +138,21 @@ class Graphs:
 
     # Picking the graph ---------------------------------------------------------------------
 
-    def run(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], flat: _tree.Flat | None = None
-    ) -> Answer:
-        """Warm up, capture or replay the call's graph (the one place that picks it).
-        ``flat``: the call flattened already, if it is; else flattened here, once."""
-        if flat is None:
-            flat = _tree.flatten((args, kwargs))
-        shapes = None if isinstance(self.options, Static) else exact_key(flat)
+    def run(self, call: Call) -> Answer:
+        """Warm up, capture or replay the call's graph (the one place that picks it)."""
+        shapes = None if isinstance(self.options, Static) else exact_key(call)
         if shapes is not None and self.agreement is not None:
             self.agreement.same(shapes, _shown(shapes))
         key = self.key._replace(shapes=shapes)
         entry = self.entries.get(key)
         if entry is None:
             if self.entries and isinstance(self.options, Exact):
-                self._admit(shapes, args, kwargs)
+                self._admit(shapes, call)
                 if len(self.entries) >= self.options.max_graphs:
-                    return Answer(self._overflow(args, kwargs, None))
+                    return Answer(self._overflow(call, None))
             entry = self.entries[key] = self.new_entry(shapes)
         replayed = entry.captured is not None and entry.holds()
-        out = entry.run(args, kwargs, flat)
+        out = entry.run(call)
         return Answer(out, entry if entry.captured is not None else None, replayed)
 
     def new_entry(self, shapes: Hashable) -> GraphEntry:
@@ -165,20 +160,18 @@ class Graphs:
         label = self.label if shapes is None else f"{self.label}, key {_shown(shapes)}"
         return self._new_entry(self.key._replace(shapes=shapes), label=label)
 
-    def _admit(self, shapes: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _admit(self, shapes: Any, call: Call) -> None:
         """Raise if a call differs by more than its shapes from the graphs of its structure
         (``shapes``' first item); a call of another structure (an optional argument passed,
         or None) takes a graph of its own."""
         for key, entry in self.entries.items():
             if key.shapes[0] == shapes[0] and entry.captured is not None:  # type: ignore[index]
-                error = entry.captured.signature.diagnose(args, kwargs, shapes=False)
+                error = entry.captured.signature.diagnose(call, shapes=False)
                 if error is not None:
                     raise error
                 return
 
-    def _overflow(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Any, *, elsewhere: bool = False
-    ) -> Any:
+    def _overflow(self, call: Call, batch: Any, *, elsewhere: bool = False) -> Any:
         """A call past ``max_graphs`` or, with its ``batch``, above the largest bucket (on
         this rank, or on another rank of a DDP step: ``elsewhere``): eager, or an error."""
         options = self.options
@@ -194,7 +187,7 @@ class Graphs:
             message = _errors_shapes.too_many_graphs(
                 self.name, options.max_graphs, seen, options.overflow
             )
-        return self.overflow.call(self._fn, args, kwargs, self._lock, reason, message)
+        return self.overflow.call(self._fn, call, self._lock, reason, message)
 
     # Introspection -------------------------------------------------------------------------
 
@@ -216,12 +209,12 @@ def _shown(key: Hashable) -> Any:
     return key
 
 
-def exact_key(flat: _tree.Flat) -> Hashable:
+def exact_key(call: Call) -> Hashable:
     """The graph of a call with ``shapes="exact"``, from its flattened arguments: its
     structure (the treespec, TensorDict batch sizes included, and which leaves are tensors:
     ``f(x, 2.0)`` and ``f(2.0, x)`` differ), the shapes of its tensors and which require
     grad. Other differences (dtypes, constants) are the errors of the graph's full check."""
-    leaves, spec = flat
+    leaves, spec = call.leaves, call.spec
     places = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
     tensors = [leaves[i] for i in places]
     shapes = tuple(tuple(t.shape) for t in tensors)
@@ -247,8 +240,7 @@ class Overflow:
     def call(
         self,
         fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        call: Call,
         lock: Any,
         reason: str,
         message: str,
@@ -263,4 +255,4 @@ class Overflow:
             warnings.warn(message, _errors_shapes.GraphLimitWarning, stacklevel=stacklevel)
         _log.ran_eagerly(self.label, reason, calls)
         with capture_turn(lock):  # the wrapper's function runs only under it
-            return fn(*args, **kwargs)
+            return fn(*call.args, **call.kwargs)

@@ -20,6 +20,7 @@ from tensordict.base import is_tensor_collection
 
 from .._errors import shapes as _errors_shapes
 from .._values import tree as _tree
+from .._values.tree import Call
 
 Batch = tuple[int, ...]
 
@@ -37,9 +38,13 @@ def _leaf(batch_dims: int, node: Any) -> bool:
     return _tree.is_leaf(node)
 
 
-def _leaves(tree: Any, batch_dims: int, root: str | None = None) -> list[tuple[str, Any]]:
-    """``(path, node)`` for the tensors and tensor collections padded whole."""
-    _tree.flatten(tree)  # registers the tree's tensor collection types
+def _leaves(
+    tree: Any, batch_dims: int, root: str | None = None, registered: bool = False
+) -> list[tuple[str, Any]]:
+    """``(path, node)`` for the tensors and tensor collections padded whole (``registered``:
+    the tree's tensor collection types are, by its flattening)."""
+    if not registered:
+        _tree.flatten(tree)  # registers the tree's tensor collection types
     accessors, leaves, _ = optree.tree_flatten_with_accessor(
         tree, is_leaf=functools.partial(_leaf, batch_dims), namespace=_tree.NAMESPACE
     )
@@ -60,7 +65,7 @@ def _map(fn: Callable[[Any], Any], tree: Any, batch_dims: int) -> Any:
     )
 
 
-def batch_of(name: str, args: Any, kwargs: Any, batch_dims: int) -> Batch:
+def batch_of(name: str, call: Call, batch_dims: int) -> Batch:
     """The batch dims that every tensor input of a call shares.
 
     Raises:
@@ -69,7 +74,7 @@ def batch_of(name: str, args: Any, kwargs: Any, batch_dims: int) -> Batch:
     """
     batch: Batch | None = None
     first = ""
-    for path, leaf in _leaves((args, kwargs), batch_dims):
+    for path, leaf in _leaves((call.args, call.kwargs), batch_dims, registered=True):
         shape = tuple(leaf.shape)
         if len(shape) < batch_dims:
             raise _errors_shapes.no_batch_dims(name, path, leaf.shape, batch_dims)
@@ -95,9 +100,11 @@ def _resized(node: Any, size: Batch) -> Any:
     return node
 
 
-def resize(args: Any, kwargs: Any, size: Batch) -> tuple[Any, Any]:
-    """The call with its batch dims padded (its first rows repeated) or cut to ``size``."""
-    resized: tuple[Any, Any] = _map(lambda node: _resized(node, size), (args, kwargs), len(size))
+def resize(call: Call, size: Batch) -> tuple[Any, Any]:
+    """The call's ``(args, kwargs)`` with their batch dims padded (their first rows repeated)
+    or cut to ``size``."""
+    tree = (call.args, call.kwargs)
+    resized: tuple[Any, Any] = _map(lambda node: _resized(node, size), tree, len(size))
     return resized
 
 

@@ -33,6 +33,7 @@ from .._errors import shapes as _errors_shapes
 from .._state.search import find_state
 from .._state.state import modules_entries
 from .._values import tree as _tree
+from .._values.tree import Call
 from . import padding as _padding
 
 # How close the real rows of the two runs must be: the same kernels on the same shapes give
@@ -43,8 +44,7 @@ _RTOL, _ATOL = 1e-4, 1e-5
 def check_rows(
     name: str,
     fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    call: Call,
     size: tuple[int, ...],
     batch: tuple[int, ...],
 ) -> None:
@@ -57,7 +57,7 @@ def check_rows(
     Raises:
         RuntimeError: The rows depend on each other, or the function updates module state.
     """
-    padded = _padding.resize(args, kwargs, size)
+    padded = _padding.resize(call, size)
     probes = [_beyond(padded, batch, above) for above in (True, False)]
     if probes[0] is None:  # no input whose padded rows could differ
         return

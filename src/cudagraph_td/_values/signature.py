@@ -22,6 +22,7 @@ from tensordict import TensorDictBase
 
 from .._errors import inputs as _errors
 from . import tree as _tree
+from .tree import Call
 
 metadata = operator.attrgetter("__class__", "shape", "dtype", "device", "requires_grad")
 """What a replay checks of each input tensor, as one tuple: type, shape, dtype, device and
@@ -37,26 +38,20 @@ def _comparable(value: Any) -> bool:
         return False
 
 
-def validate(
-    name: str,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    device: torch.device,
-    *,
-    allow_grad: bool = False,
-) -> None:
+def validate(name: str, call: Call, device: torch.device, *, allow_grad: bool = False) -> None:
     """Check that a call can be warmed up or captured on ``device``, before running it.
 
     ``allow_grad`` accepts inputs that require grad, for a graph captured for autograd.
     """
-    for path, leaf in _tree.leaves_with_paths((args, kwargs)):
+    for i, leaf in enumerate(call.leaves):
         if isinstance(leaf, torch.Tensor):
             if leaf.device != device:
+                path = call.paths()[i]
                 raise _errors.wrong_device_at_capture(name, path, device, leaf.device)
             if leaf.requires_grad and not allow_grad:
-                raise _errors.requires_grad(name, path)
+                raise _errors.requires_grad(name, call.paths()[i])
         elif not _comparable(leaf):
-            raise _errors.uncomparable_constant(name, path, leaf)
+            raise _errors.uncomparable_constant(name, call.paths()[i], leaf)
 
 
 class Signature:
@@ -65,20 +60,19 @@ class Signature:
     def __init__(
         self,
         name: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        call: Call,
         device: torch.device,
         *,
         allow_grad: bool = False,
         static_inputs: list[torch.Tensor] | None = None,
         function: Any = None,
     ):
-        validate(name, args, kwargs, device, allow_grad=allow_grad)
+        validate(name, call, device, allow_grad=allow_grad)
         self.name = name
         # The Python signature of the captured function, for the advice of a call that it
         # could not take (a required argument missing): None where it has none to read.
         self.python_signature = _python_signature(function)
-        leaves, self.spec = _tree.flatten((args, kwargs))
+        leaves, self.spec = call.leaves, call.spec
         is_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
         self.tensor_index = [i for i, tensor in enumerate(is_tensor) if tensor]
         self.const_index = [i for i, tensor in enumerate(is_tensor) if not tensor]
@@ -99,7 +93,7 @@ class Signature:
                 ]
         self.static_inputs = static_inputs
         # The captured call's TensorDicts' key orders, which rebuilt trees keep.
-        self._orders = _tree.key_orders((args, kwargs))
+        self._orders = _tree.key_orders((call.args, call.kwargs))
         self._static_leaves = list(leaves)
         for i, static in zip(self.tensor_index, self.static_inputs, strict=True):
             self._static_leaves[i] = static
@@ -139,24 +133,16 @@ class Signature:
             return None
         return [leaves[i] for i in self.tensor_index]
 
-    def match(
-        self,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
-        requires_grad: bool = True,
-        flat: _tree.Flat | None = None,
-    ) -> list[Any]:
+    def match(self, call: Call, *, requires_grad: bool = True) -> list[Any]:
         """The tensor leaves of a call, checked in full against the capture (the slow path).
 
-        Without ``requires_grad``, the tensors' ``requires_grad`` is not compared. ``flat``:
-        the call flattened already, if it is.
+        Without ``requires_grad``, the tensors' ``requires_grad`` is not compared.
 
         Raises:
             ValueError, KeyError, RuntimeError: The call differs from the capture; the error
                 names the leaf (see ``diagnose``).
         """
-        tensors = self.read(args, kwargs, flat)
+        tensors = self.read(call.args, call.kwargs, (call.leaves, call.spec))
         # A leaf that is not a tensor, where the capture had one, raises in `metadata`.
         with contextlib.suppress(Exception):
             if tensors is not None:
@@ -166,7 +152,7 @@ class Signature:
                     not requires_grad and _gradless(received) == _gradless(self.expected)
                 ):
                     return tensors
-        error = self.diagnose(args, kwargs, requires_grad=requires_grad)
+        error = self.diagnose(call, requires_grad=requires_grad)
         if error is not None:
             raise error
         # Only tensor types differ, and only by a subclass (a Parameter for a tensor): the
@@ -174,12 +160,9 @@ class Signature:
         assert tensors is not None
         return tensors
 
-    def tensors(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], flat: _tree.Flat | None = None
-    ) -> list[torch.Tensor]:
+    def tensors(self, call: Call) -> list[torch.Tensor]:
         """The tensor leaves of a call of the captured structure, unchecked."""
-        leaves, _ = _tree.flatten((args, kwargs)) if flat is None else flat
-        return [leaves[i] for i in self.tensor_index]
+        return [call.leaves[i] for i in self.tensor_index]
 
     def tensor_paths(self) -> list[str]:
         """Readable paths of the tensor inputs, in the order of ``static_inputs`` (for errors)."""
@@ -188,8 +171,7 @@ class Signature:
 
     def diagnose(
         self,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        call: Call,
         *,
         shapes: bool = True,
         requires_grad: bool = True,
@@ -202,25 +184,25 @@ class Signature:
         ``requires_grad=False``, by ``requires_grad`` (`make_graphed_callables`, as torch's).
         """
         walk = _Walk(self.name, shapes=shapes, requires_grad=requires_grad)
-        error = walk.trees((), (self.static_args, self.static_kwargs), (args, kwargs))
+        error = walk.trees((), (self.static_args, self.static_kwargs), (call.args, call.kwargs))
         if error is not None:
             return error
         missing, extra, other = walk.missing, walk.extra, walk.other
         if missing and not extra and not other and missing == walk.missing_td_keys:
             return _errors.missing_keys(self.name, missing)
         if missing or extra or other:
-            unbound = self._unbound(args, kwargs)
+            unbound = self._unbound(call)
             return _errors.structure_mismatch(self.name, missing, extra, other, unbound)
         # Nothing differs leaf by leaf: the structure differs in a way the walk does not name
         # (e.g. a node's metadata that is neither a key nor a batch size), or nothing does.
-        received = optree.tree_structure(cast(Any, (args, kwargs)), namespace=_tree.NAMESPACE)
+        received = call.spec
         if received == self.spec or not shapes:
             return None
         return _errors.structure_mismatch(
             self.name, [], [], [f"captured: {self.spec}", f"received: {received}"]
         )
 
-    def _unbound(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    def _unbound(self, call: Call) -> str | None:
         """Why the function could not take this call, as Python says it (``missing a required
         argument: 'scale'``); None where it could, or where its signature does not tell (one
         that the captured call does not bind to either)."""
@@ -231,7 +213,7 @@ class Signature:
         except TypeError:
             return None
         try:
-            self.python_signature.bind(*args, **kwargs)
+            self.python_signature.bind(*call.args, **call.kwargs)
         except TypeError as err:
             return str(err)
         return None

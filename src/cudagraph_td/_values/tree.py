@@ -162,8 +162,27 @@ def _register_new_collections(leaves: list[Any]) -> bool:
 
 
 Flat = tuple[list[Any], optree.PyTreeSpec]
-"""A call's arguments flattened once on the slow path (``flatten((args, kwargs))``), which the
-steps that read them share."""
+"""A tree's leaves and treespec (``flatten``)."""
+
+
+class Call(NamedTuple):
+    """A call on the slow path: its arguments, with their leaves and treespec, flattened once
+    (``flatten_call``) and handed down to every step that reads them."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    leaves: list[Any]
+    spec: optree.PyTreeSpec
+
+    def paths(self) -> list[str]:
+        """Readable paths of its leaves, in order (``args[0]["obs"]``), read off its treespec."""
+        return [format_path(accessor) for accessor in self.spec.accessors()]
+
+
+def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
+    """A call's arguments, flattened once (see ``flatten``)."""
+    leaves, spec = flatten((args, kwargs))
+    return Call(args, kwargs, leaves, spec)
 
 
 def flatten(tree: Any) -> Flat:
