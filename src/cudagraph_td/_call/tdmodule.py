@@ -24,7 +24,7 @@ from tensordict.nn import dispatch
 from .._capture.captured import Captured
 from .._errors import inputs as _errors
 from .._shapes.graphs import Answer, Graphs
-from .._values.input_views import WROTE_INPUT
+from .._values.input_views import is_module_input
 from .._values.routes import key_tuple
 from .._values.tree import flatten_call
 
@@ -138,7 +138,7 @@ class TensorDictLayer:
         answers.append(answer)
         out = answer.result
         target = tensordict if tensordict_out is None else tensordict_out
-        if isinstance(out, tuple) and len(out) == 2 and out[0] is WROTE_INPUT:
+        if is_module_input(out):
             return target.update(out[1])
         if tensordict_out is not None and is_tensor_collection(out):
             return tensordict_out.update(out)

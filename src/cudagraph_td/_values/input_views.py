@@ -160,11 +160,16 @@ _Argument = int | str
 
 @dataclass(frozen=True)
 class WrittenInput:
-    """The marker of the written-input form: ``(WrittenInput(argument), entries)``."""
+    """The marker of the written-input form, ``(WrittenInput(argument), entries)``: the
+    result is the call's TensorDict ``argument``, with ``entries`` written into it. The
+    one marker of "returned its input TensorDict": ``argument`` None marks the TensorDict a
+    TensorDict module was called with, which its layer writes (see `recording_writes`)."""
 
-    argument: _Argument
+    argument: _Argument | None
 
     def __repr__(self) -> str:
+        if self.argument is None:
+            return "<the module's input TensorDict>"
         return f"<the caller's TensorDict {self.argument!r}>"
 
 
@@ -251,6 +256,8 @@ def into_callers(args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> 
 
 def _into_caller(args: tuple[Any, ...], kwargs: dict[str, Any], written: Any) -> Any:
     where = written[0].argument
+    if where is None:  # a TensorDict module's: its layer writes it (see `recording_writes`)
+        return written
     td = args[where] if isinstance(where, int) else kwargs[where]
     return td.update(written[1])
 
@@ -259,24 +266,22 @@ def _into_caller(args: tuple[Any, ...], kwargs: dict[str, Any], written: Any) ->
 # TensorDict of its in_keys entries that returns that TensorDict gives the layer the entries
 # it wrote, which the layer sets into the caller's TensorDict (or ``tensordict_out``).
 
-
-class _WroteInput:
-    """Marks a result as "the module returned its input TensorDict, with these writes"."""
-
-    def __repr__(self) -> str:
-        return "<the module's input TensorDict>"
+MODULE_INPUT = WrittenInput(None)
+"""The marker of a TensorDict module's written-input form (see `recording_writes`)."""
 
 
-WROTE_INPUT = _WroteInput()
+def is_module_input(value: Any) -> bool:
+    """Whether ``value`` is a TensorDict module's written-input form."""
+    return is_written_input(value) and value[0].argument is None
 
 
 def recording_writes(module: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a TensorDict module so that "returned its input" becomes an explicit result.
 
     When ``module(td, ...)`` returns ``td`` itself, the wrapper returns
-    ``(WROTE_INPUT, entries)``, where ``entries`` holds the entries that the call wrote
+    ``(MODULE_INPUT, entries)``, where ``entries`` holds the entries that the call wrote
     (see `_written`). The graph then treats them as outputs, returned in fresh memory at
-    each replay.
+    each replay, and the layer sets them where the module call puts them.
     """
 
     def call(td: Any, *args: Any, **kwargs: Any) -> Any:
@@ -284,6 +289,6 @@ def recording_writes(module: Callable[..., Any]) -> Callable[..., Any]:
         out = module(td, *args, **kwargs)
         if out is not td:
             return out
-        return (WROTE_INPUT, td.select(*_written(td, before)))
+        return (MODULE_INPUT, td.select(*_written(td, before)))
 
     return call

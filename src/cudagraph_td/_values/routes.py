@@ -28,7 +28,7 @@ from tensordict import TensorDict
 
 from .._compat import td_entries, td_has_names, td_set
 from . import tree as _tree
-from .input_views import WROTE_INPUT, into_callers, is_written_input
+from .input_views import into_callers, is_module_input, is_written_input
 from .outputs import Outputs
 from .signature import Signature, metadata
 
@@ -402,7 +402,7 @@ class Routing:
         takes the full call.
         """
         result = outputs.rebuild(outputs.static)
-        wrote_input = isinstance(result, tuple) and len(result) == 2 and result[0] is WROTE_INPUT
+        wrote_input = is_module_input(result)
         if not self.in_keys:
             # No in_keys (LeanRL's and torchrl's `CudaGraphModule(update, in_keys=[],
             # out_keys=[])`): the graph reads the call's arguments as a plain function's
