@@ -125,7 +125,7 @@ def sac() -> None:
     calls["State.fresh alone"] = captured.state.fresh
     calls["watch alone"] = captured._watch
     _time(calls, rounds=300, burst=8)
-    print("entries followed:", len(captured.state.entries))
+    print("entries followed:", len(captured.state.followed))
     profile = cProfile.Profile()
     profile.runcall(lambda: [now() for _ in range(2000)])
     torch.cuda.synchronize()

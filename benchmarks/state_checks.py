@@ -62,7 +62,7 @@ def main() -> None:
             for _ in range(5):
                 policy(td)
             state = _state_of(policy)
-            tensors = len(state.entries)
+            tensors = len(state.followed)
             parts = {
                 "thread (threading.get_ident)": threading.get_ident,
                 "autocast (torch._C._is_any_autocast_enabled)": torch._C._is_any_autocast_enabled,
@@ -71,9 +71,9 @@ def main() -> None:
             }
             c_check = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
             if c_check is not None:  # torch's one C call over the addresses (CUDA builds)
-                holders = [e[1] for e in state.entries]
-                keys = [e[2] for e in state.entries]
-                ptrs = [e[4] for e in state.entries]
+                holders = [e[1] for e in state.followed]
+                keys = [e[2] for e in state.followed]
+                ptrs = [e[4] for e in state.followed]
                 indices = list(range(len(ptrs)))
                 parts["  the same, with torch._C._tensors_data_ptrs_at_indices_equal"] = (
                     lambda: c_check(list(map(operator.getitem, holders, keys)), ptrs, indices)  # noqa: B023
@@ -140,7 +140,7 @@ def bindings(device: str, backend: str) -> None:
             for _ in range(5):
                 graphed(x)
             state = _state_of(graphed)
-        unbound = State([e[:4] for e in state.entries], identity=state.identity)
+        unbound = State([e[:4] for e in state.followed], identity=state.identity)
         with_them, without = _us(state.fresh), _us(unbound.fresh)
         print(
             f"  {name:52s} {with_them:6.3f} us, {without:6.3f} us without its "

@@ -626,7 +626,7 @@ def test_the_librarys_own_closures_are_no_bindings_to_follow(backend: Backend) -
             torch.testing.assert_close(graphed(td)["y"], policy(td.clone())["y"])
     (entry,) = graphed._table.entries()  # the entry of its one graph
     state = entry.captured.state
-    assert state is not None and state.entries
+    assert state is not None and state.followed
     assert [b[0] for b in state.bindings if b[1] is CELLS] == []
 
 

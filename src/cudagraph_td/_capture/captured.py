@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -39,22 +39,15 @@ def copy_inputs(
         foreach_copy_(static, tensors)  # type: ignore[arg-type]  # one call for every tensor
 
 
-class OneTensorGraph:
+class OneTensorGraph(NamedTuple):
     """A plain graph with one tensor in and one out and nothing else to do: its launch in one
     call, ``copy_inputs`` for one tensor beside the replay (the replay path of the commonest
-    graph, a policy: see `_capture.entry`)."""
+    graph, a policy: see `_capture.entry`). ``output`` returns a copy (the tensor's own
+    ``clone``, no Python frame) or a lent tensor."""
 
-    __slots__ = ("output", "replay", "static_inputs")
-
-    def __init__(
-        self,
-        static_inputs: list[torch.Tensor],
-        output: Callable[[], torch.Tensor],
-        replay: Callable[[], None],
-    ):
-        self.static_inputs = static_inputs
-        self.output = output  # a copy (the tensor's own `clone`, no Python frame), or lent
-        self.replay = replay
+    static_inputs: list[torch.Tensor]
+    output: Callable[[], torch.Tensor]
+    replay: Callable[[], None]
 
     def launch(self, tensor: torch.Tensor) -> torch.Tensor:
         """Copy ``tensor`` (checked) in, unless it is the static input (see `copy_inputs`:

@@ -16,7 +16,7 @@ import torch
 
 from .._errors import inputs as _errors
 from .._state.search import find_state
-from .._state.state import modules_entries
+from .._state.state import modules_followed
 from .._values.tree import Call
 
 
@@ -51,7 +51,7 @@ def check_follows(
     """Raise if ``fn`` reaches state on another CUDA device than ``device``, where a call
     asks for new graphs while the wrapper's others are on ``home``."""
     optimizers, modules = find_state(fn)
-    tensors = [(e[0], e[3]) for e in modules_entries(modules) if isinstance(e[3], torch.Tensor)]
+    tensors = [(e[0], e[3]) for e in modules_followed(modules) if isinstance(e[3], torch.Tensor)]
     for path, opt in optimizers.items():
         for i, state in enumerate(opt.state.values()):
             tensors.extend(

@@ -38,13 +38,9 @@ def _leaf(batch_dims: int, node: Any) -> bool:
     return _tree.is_leaf(node)
 
 
-def _leaves(
-    tree: Any, batch_dims: int, root: str | None = None, registered: bool = False
-) -> list[tuple[str, Any]]:
-    """``(path, node)`` for the tensors and tensor collections padded whole (``registered``:
-    the tree's tensor collection types are, by its flattening)."""
-    if not registered:
-        _tree.flatten(tree)  # registers the tree's tensor collection types
+def _leaves(tree: Any, batch_dims: int, root: str | None = None) -> list[tuple[str, Any]]:
+    """``(path, node)`` for the tensors and tensor collections padded whole, in a tree whose
+    tensor collection types are registered (a call, flattened; a result, see ``rows``)."""
     accessors, leaves, _ = optree.tree_flatten_with_accessor(
         tree, is_leaf=functools.partial(_leaf, batch_dims), namespace=_tree.NAMESPACE
     )
@@ -74,7 +70,7 @@ def batch_of(name: str, call: Call, batch_dims: int) -> Batch:
     """
     batch: Batch | None = None
     first = ""
-    for path, leaf in _leaves((call.args, call.kwargs), batch_dims, registered=True):
+    for path, leaf in _leaves((call.args, call.kwargs), batch_dims):
         shape = tuple(leaf.shape)
         if len(shape) < batch_dims:
             raise _errors_shapes.no_batch_dims(name, path, leaf.shape, batch_dims)
@@ -115,6 +111,7 @@ def rows(name: str, out: Any, padded: Batch, size: Batch) -> Any:
         RuntimeError: An output tensor does not start with the padded batch dims (a result
             computed over the batch, which the padded rows change).
     """
+    _tree.flatten(out)  # registers its tensor collection types (a warm-up's result)
     for path, leaf in _leaves(out, len(size), root="output"):
         if tuple(leaf.shape[: len(padded)]) != padded:
             raise _errors_shapes.output_not_batched(name, path, leaf.shape, padded)

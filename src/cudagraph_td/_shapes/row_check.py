@@ -31,7 +31,7 @@ import torch
 
 from .._errors import shapes as _errors_shapes
 from .._state.search import find_state
-from .._state.state import modules_entries
+from .._state.state import modules_followed
 from .._values import tree as _tree
 from .._values.tree import Call
 from . import padding as _padding
@@ -130,7 +130,7 @@ class StateSnapshot:
         _, modules = find_state(fn)
         seen: set[int] = set()
         self.tensors: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-        for where, _, _, value in modules_entries(modules):
+        for where, _, _, value in modules_followed(modules):
             if isinstance(value, torch.Tensor) and id(value) not in seen:
                 seen.add(id(value))
                 self.tensors.append((where, value, value.detach().clone()))

@@ -23,7 +23,7 @@ from tensordict import is_tensor_collection
 from torch import nn
 
 from .._compat import module_children
-from .state import CELLS, LIBRARY, Binding, State, modules_entries
+from .state import CELLS, LIBRARY, Binding, State, modules_followed
 
 # How far the search for optimizers and modules follows references, and how many objects
 # it looks at: enough for agents that hold their networks and optimizers as attributes,
@@ -77,7 +77,7 @@ def _references(obj: Any) -> Iterator[Reference]:
             yield f"[{i}]", value, None, None
     elif isinstance(obj, nn.Module):
         # Its attributes, which may hold optimizers; its submodules, whose bindings the
-        # module's own state follows (see `_state.state.module_entries`), as its tensors'.
+        # module's own state follows (see `_state.state.module_followed`), as its tensors'.
         for key, value in vars(obj).items():
             if key not in _MODULE_STATE:
                 yield key, value, obj.__dict__, key
@@ -239,7 +239,7 @@ def modules_state(fn: Any) -> State | None:
     identity (see `_state.state`), and where the modules are bound, or ``None`` if it reaches
     none."""
     search = Search(fn)
-    entries = modules_entries(search.modules)
+    entries = modules_followed(search.modules)
     bindings = search.bindings(search.modules.values())
     return State(entries, identity=True, bindings=bindings) if entries or bindings else None
 

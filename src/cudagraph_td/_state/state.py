@@ -39,7 +39,7 @@ from .._errors import state as _errors_state
 # there, and what the key held at capture. The dict is a module's `_parameters`, `_buffers`
 # or `__dict__`, an optimizer's `__dict__` (for its `state` and `param_groups`), or a dict of
 # its own for a tensor that nothing else binds (its address is still followed).
-Entry = tuple[str, Mapping[Any, Any], Any, Any]
+Followed = tuple[str, Mapping[Any, Any], Any, Any]
 
 # A list whose length a graph bakes in: its path (for messages), the list, and what it says of
 # a change (an optimizer's `param_groups`, and each group's `params`).
@@ -85,7 +85,7 @@ class RecaptureWarning(UserWarning):
 RecaptureWarning.__module__ = "cudagraph_td"  # where users import it from
 
 
-def module_entries(path: str, module: nn.Module) -> Iterator[Entry]:
+def module_followed(path: str, module: nn.Module) -> Iterator[Followed]:
     """The submodules, parameters, buffers and tensor attributes (``self.scale =
     torch.ones(3)``, neither parameter nor buffer) of ``module`` and of its submodules,
     where each is bound."""
@@ -100,9 +100,9 @@ def module_entries(path: str, module: nn.Module) -> Iterator[Entry]:
                     yield f"{where}.{key}", holder, key, value
 
 
-def modules_entries(modules: Mapping[str, nn.Module]) -> list[Entry]:
-    """The entries of each of ``modules`` (by path), as ``module_entries`` lists them."""
-    return [entry for path, module in modules.items() for entry in module_entries(path, module)]
+def modules_followed(modules: Mapping[str, nn.Module]) -> list[Followed]:
+    """The state followed in each of ``modules`` (by path), as ``module_followed`` lists it."""
+    return [entry for path, module in modules.items() for entry in module_followed(path, module)]
 
 
 def _part(name: str) -> str:
@@ -119,9 +119,9 @@ def optimizer_params(
             yield f"{path}.param_groups[{i}]['params'][{j}]", p
 
 
-def optimizer_entries(
+def optimizer_followed(
     path: str, optimizer: torch.optim.Optimizer, followed: set[int]
-) -> Iterator[Entry]:
+) -> Iterator[Followed]:
     """An optimizer's ``state`` and ``param_groups`` (``load_state_dict`` replaces both), and
     the tensors it steps that are not ``followed`` already (by ``id``: those of the modules),
     each in a dict of its own: their addresses are followed."""
@@ -165,7 +165,7 @@ def held(holder: Any, key: Any) -> Any:
         return None
 
 
-def rebound(entries: Sequence[Entry | Binding]) -> list[Entry | Binding]:
+def rebound(entries: Sequence[Followed | Binding]) -> list[Followed | Binding]:
     """The ``entries`` whose holder holds another object than when they were listed."""
     return [entry for entry in entries if held(entry[1], entry[2]) is not entry[3]]
 
@@ -187,21 +187,21 @@ class State:
 
     def __init__(
         self,
-        entries: list[Entry],
+        entries: list[Followed],
         *,
         identity: bool,
         bindings: Sequence[Binding] = (),
         flags: Flags | None = None,
         lengths: Sequence[Lengths] = (),
     ):
-        unique: dict[tuple[int, Any], Entry] = {}
+        unique: dict[tuple[int, Any], Followed] = {}
         for entry in entries:  # a tensor bound twice (shared weights) is followed once
             unique.setdefault((id(entry[1]), entry[2]), entry)
-        self.entries = [(*entry, _address(entry[3])) for entry in unique.values()]
+        self.followed = [(*entry, _address(entry[3])) for entry in unique.values()]
         self.bindings = [*{_slot(b): b for b in bindings if _slot(b) not in unique}.values()]
-        tensors = [e for e in self.entries if e[4] is not None]
-        modules = [e for e in self.entries if isinstance(e[3], nn.Module)]
-        others = [e for e in self.entries if e[4] is None and not isinstance(e[3], nn.Module)]
+        tensors = [e for e in self.followed if e[4] is not None]
+        modules = [e for e in self.followed if isinstance(e[3], nn.Module)]
+        others = [e for e in self.followed if e[4] is None and not isinstance(e[3], nn.Module)]
         # Each module's children, whole: (where, their dict, its values at capture).
         self.children = [
             (e[0].removesuffix(_part(e[2])), e[1], [*e[1].values()])
@@ -222,7 +222,7 @@ class State:
         # A model or optimizer rebound (`agent.net`) first: the old one's state, unchanged, is
         # not named.
         changed = [Change(path, "rebound") for path, *_ in rebound(self.bindings)]
-        for path, holder, key, value, address in self.entries:
+        for path, holder, key, value, address in self.followed:
             now = holder.get(key)
             if ((address is None or self.identity) and now is not value) or (
                 address is not None and _address(now) != address

@@ -27,12 +27,12 @@ from .._errors import state as _errors_state
 from .search import Search
 from .state import (
     Binding,
-    Entry,
     Flags,
+    Followed,
     Lengths,
     State,
-    modules_entries,
-    optimizer_entries,
+    modules_followed,
+    optimizer_followed,
     optimizer_lengths,
     optimizer_params,
     rebound,
@@ -54,7 +54,7 @@ class Observation:
         modules = self.modules = self._search.modules
         # Where the modules' parameters and buffers are bound, and the optimizers'
         # hyperparameters, before the call: what the call itself rebinds is its own output.
-        self._bound = modules_entries(modules)
+        self._bound = modules_followed(modules)
         self._groups = [
             (group, dict(group)) for opt in optimizers.values() for group in opt.param_groups
         ]
@@ -144,14 +144,14 @@ class Observation:
         skipped = {(id(entry[1]), entry[2]) for entry in own}
         entries = [
             entry
-            for entry in modules_entries(self.modules)
+            for entry in modules_followed(self.modules)
             if (id(entry[1]), entry[2]) not in skipped
         ]
         stepped = self._stepped()
         followed = {id(entry[3]) for entry in entries}
         lengths: list[Lengths] = []
         for path, opt in stepped.items():
-            entries += optimizer_entries(path, opt, followed)
+            entries += optimizer_followed(path, opt, followed)
             lengths += optimizer_lengths(path, opt)
         # Where the modules and the stepped optimizers were found, as before the call: a
         # binding that the call itself moved is no more the capture's than `own`'s tensors.
@@ -163,7 +163,9 @@ class Observation:
         return State(entries, identity=identity, bindings=bindings, flags=flags, lengths=lengths)
 
 
-def _rebound(name: str, entries: Sequence[Entry | Binding], new: str) -> list[Entry | Binding]:
+def _rebound(
+    name: str, entries: Sequence[Followed | Binding], new: str
+) -> list[Followed | Binding]:
     """The ``entries`` that the capturing call rebound (to ``new``), with a warning: the
     function rebinds them at each call, and a graph reads the objects of its capture."""
     moved = rebound(entries)
