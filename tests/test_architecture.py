@@ -383,3 +383,136 @@ def test_the_capture_and_replay_paths_go_one_way_down(run: Callable[[], None]) -
     # Every call inside the package, from the first warm-up to the replays (on the table's
     # path and on the slow path), goes to a module of its own layer or of one below it.
     assert _calls_upward(run) == []
+
+
+# One unit per graph, one key, one copy (docs/architecture.md): what the redesign of the
+# middle floor removed stays removed.
+
+
+def _classes() -> dict[str, list[str]]:
+    """The package's classes by name, with the modules that define them."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                found.setdefault(node.name, []).append(_name(path))
+    return found
+
+
+def test_one_key_type_decides_where_a_call_goes() -> None:
+    # The graph table and the graphs of every mode, device and static values are keyed by
+    # one named key; no other key class, and no graph key spelt as a bare alias.
+    classes = _classes()
+    keys = sorted(name for name in classes if name.endswith("Key") and not name.startswith("_"))
+    assert keys == ["GraphKey"] and classes["GraphKey"] == ["_capture.entry"]
+    source = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py"))
+    assert re.findall(r"\b(CallKey|GraphsKey)\b", source) == []
+
+
+def test_a_graph_is_one_entry_for_its_whole_life() -> None:
+    # No runner beside the entry, no liveness by identity between objects, no counts kept
+    # apart from the entries.
+    classes = _classes()
+    assert [name for name in classes if name.endswith("Runner")] == []
+    source = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py"))
+    assert re.findall(r"\.alive\(\)|\bsource is\b|\._counts\b|_forget_replaced", source) == []
+
+
+def test_static_inputs_are_copied_in_one_place() -> None:
+    # Every launch copies a call's tensors into its graph's static inputs through
+    # `_capture.captured.copy_inputs`, or its one-tensor form beside it.
+    copies = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and ast.unparse(node.func).endswith("foreach_copy_")
+                and re.search(r"static_inputs|^static$", ast.unparse(node.args[0]))
+            ):
+                copies.append(_name(path))
+    assert copies == ["_capture.captured", "_capture.captured"]
+
+
+# The functions of `_values.tree` that flatten the tree they are given.
+_FLATTENING = {"flatten", "leaves_with_paths", "leaf_paths"}
+
+
+def _frames(run: Callable[[], Any]) -> list[str]:
+    """The functions of the call path (`_call`, `_shapes`, `_capture`, `_values`) that
+    ``run()`` enters, in order, as ``module.qualname``: not the backends', the emulation's
+    or the state's own. A function of `_values.tree` that flattens a call's arguments (a
+    tree ``(args, kwargs)``, the call's or its graph's) is marked ``(a call)``."""
+    package = "cudagraph_td."
+    path = ("_call.", "_shapes.", "_capture.entry", "_capture.captured", "_capture.graph")
+    seen: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        module = frame.f_globals.get("__name__", "")
+        if event == "call" and module.startswith(package):
+            inside = module[len(package) :]
+            if inside.startswith((*path, "_values.")):
+                code = frame.f_code
+                name = f"{inside}.{getattr(code, 'co_qualname', code.co_name)}"
+                tree = frame.f_locals.get("tree")
+                flattens = code.co_name in _FLATTENING and inside == "_values.tree"
+                if flattens and type(tree) is tuple and len(tree) == 2 and type(tree[1]) is dict:
+                    name += " (a call)"
+                seen.append(name)
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+_LOOKUP = [
+    "_call.module.CudaGraphModule.__call__",
+    "_call.table.GraphTable.find",
+    "_call.table.GraphTable.key",
+    "_call.modes.mode_reader.<locals>.read",
+    "_capture.entry.GraphEntry.replay",
+]
+
+
+def test_the_frames_of_a_replay() -> None:
+    # A replay reads top to bottom: the table's lookup, the entry's replay, its route's
+    # reader (or the fused one-key TensorDict route), the launch, nothing else.
+    graphed = cudagraph_td.CudaGraphModule(_net(), backend="emulate")
+    policy = cudagraph_td.CudaGraphModule(
+        TensorDictModule(_net(), in_keys=["obs"], out_keys=["action"]), backend="emulate"
+    )
+    x, td = torch.randn(3, 4), TensorDict(obs=torch.randn(3, 4), batch_size=[3])
+    with torch.no_grad():
+        for _ in range(3):
+            graphed(x)
+            policy(td)
+        assert _frames(lambda: graphed(x)) == [
+            *_LOOKUP,
+            "_values.routes.Positional.read",
+            "_capture.captured.OneTensorGraph.launch",
+        ]
+        assert _frames(lambda: policy(td)) == [
+            *_LOOKUP,
+            "_values.routes.OneKeyTensorDict.replay",
+            "_capture.captured.OneTensorGraph.launch",
+        ]
+
+
+@pytest.mark.parametrize("stage", ["warm-up", "capture", "checked replay"])
+def test_the_frames_of_a_first_call_flatten_it_once(stage: str) -> None:
+    # The slow path flattens a call once, and hands the flattened call down: to the device,
+    # the graph's key, the warm-up's checks, the capture's signature, the full check.
+    graphed = cudagraph_td.CudaGraphModule(
+        _net(), backend="emulate", shapes=cudagraph_td.Exact(), warmup=2
+    )
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(["warm-up", "capture", "checked replay"].index(stage)):
+            graphed(x)
+        graphed._table.clear()  # a captured graph's call on the slow path too
+        frames = _frames(lambda: graphed(x))
+    assert [f for f in frames if f.endswith("(a call)")] == ["_values.tree.flatten (a call)"]
+    assert frames.count("_values.tree.flatten_call") == 1
+    assert "_call.module.CudaGraphModule._call" in frames

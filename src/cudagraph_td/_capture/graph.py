@@ -133,9 +133,9 @@ def capture(
         # differentiates: they are followed by identity too.
         state = observed.state(name, identity=True, flags="frozen")
         return capture.capture_backward(state), result
-    for t, path in zip(signature.static_inputs, signature.tensor_paths(), strict=True):
+    for i, t in enumerate(signature.static_inputs):
         if t.requires_grad:
-            raise _errors.requires_grad(name, path)
+            raise _errors.requires_grad(name, signature.tensor_paths()[i])
 
     def run_static() -> Any:
         # Fresh containers at each run, so that keys written into an input TensorDict by one

@@ -166,7 +166,7 @@ class Signature:
 
     def tensor_paths(self) -> list[str]:
         """Readable paths of the tensor inputs, in the order of ``static_inputs`` (for errors)."""
-        paths = _tree.leaf_paths((self.static_args, self.static_kwargs))
+        paths = _tree.spec_paths(self.spec)
         return [paths[i] for i in self.tensor_index]
 
     def diagnose(

@@ -175,8 +175,13 @@ class Call(NamedTuple):
     spec: optree.PyTreeSpec
 
     def paths(self) -> list[str]:
-        """Readable paths of its leaves, in order (``args[0]["obs"]``), read off its treespec."""
-        return [format_path(accessor) for accessor in self.spec.accessors()]
+        """Readable paths of its leaves, in order (``args[0]["obs"]``)."""
+        return spec_paths(self.spec)
+
+
+def spec_paths(spec: optree.PyTreeSpec) -> list[str]:
+    """Readable paths of the leaves of a call's tree, read off its treespec (no flattening)."""
+    return [format_path(accessor) for accessor in spec.accessors()]
 
 
 def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
