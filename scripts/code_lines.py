@@ -16,9 +16,9 @@ def code_lines(path: pathlib.Path) -> int:
     source = path.read_text()
     strings = set()
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            if isinstance(node.value.value, str):  # a docstring, or a string statement
-                strings.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+        value = node.value if isinstance(node, ast.Expr) else None
+        if isinstance(value, ast.Constant) and isinstance(value.value, str):  # a docstring
+            strings.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
     return sum(
         1
         for number, line in enumerate(source.splitlines(), 1)
