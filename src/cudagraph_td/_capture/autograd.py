@@ -137,7 +137,7 @@ class DifferentiableCall(Captured):
         views = capture.views
         super().__init__(capture.signature, capture.outputs, state, capture.mutated, views)
         self.name = capture.name
-        self.label = capture.name  # the graph, as log records name it (set by its `GraphRunner`)
+        self.label = capture.name  # the graph, as log records name it (set by its entry)
         # The device's replay order (see `_capture.sharing`); None off CUDA.
         self.order: _sharing.ReplayOrder | None = None
         if isinstance(capture.backend, CudaBackend):

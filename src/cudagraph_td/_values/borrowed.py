@@ -34,7 +34,7 @@ class Lease:
     (``renew``), or when the graph goes (``end``, also when the lease is collected with it).
 
     ``forbid(held, message)`` makes one held thing unreadable: a CUDA storage, or the
-    emulation's token. ``label`` names the graph in messages (set by its runner). ``held``:
+    emulation's token. ``label`` names the graph in messages (set by its entry). ``held``:
     what the last replay lent.
     """
 
