@@ -196,6 +196,19 @@ def wrong_device_at_capture(name: str, path: str, device: Any, received: Any) ->
     return InputMismatchError(message, path, device, received)
 
 
+def memoryless_input(name: str, path: str, received: Any) -> TypeError:
+    kind = type(received)
+    return TypeError(
+        f"{name} cannot read the memory of {path}, a {kind.__module__}.{kind.__qualname__}: a "
+        "tensor subclass whose storage holds no memory, and that gives none through its "
+        "`untyped_storage()` (a wrapper subclass without a payload of its own). A graph copies "
+        "each tensor input into a buffer of its own at every call, and tells inputs that share "
+        f"memory apart by their storages. Pass the tensor that the {kind.__qualname__} wraps "
+        "instead, or give the subclass an `untyped_storage()` that returns its payload's (as "
+        "tensordict's UnbatchedTensor does)."
+    )
+
+
 def requires_grad(name: str, path: str) -> RuntimeError:
     return RuntimeError(
         f"{name} received {path}, a tensor that requires grad, but the graph is not captured "

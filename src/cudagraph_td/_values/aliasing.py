@@ -26,9 +26,7 @@ import torch
 from .._compat import foreach_copy_, version
 from .._errors import inputs as _errors
 from .signature import Signature
-
-_storage = torch.Tensor.untyped_storage
-_storage_address = torch.UntypedStorage.data_ptr
+from .storages import addresses
 
 # Above this many bytes in two views whose spans overlap, their bytes are not compared one by
 # one: they count as overlapping (a refused call, never a wrong answer). Views that each fill
@@ -67,9 +65,9 @@ class WrittenInputs:
         Raises:
             InputMismatchError: An input written in place shares memory with another input.
         """
-        # Mapped in C: the address of each tensor's storage. Inputs in storages of their own,
-        # the common case, cannot overlap.
-        storages = list(map(_storage_address, map(_storage, tensors)))
+        # The address of each tensor's storage (mapped in C). Inputs in storages of their
+        # own, the common case, cannot overlap.
+        storages = addresses(tensors)
         if len(set(storages)) == len(storages):
             return
         for i in self.indices:

@@ -34,9 +34,8 @@ from .._errors import inputs as _errors
 from . import tree as _tree
 from .aliasing import span
 from .signature import Signature
-
-_storage = torch.Tensor.untyped_storage
-_storage_address = torch.UntypedStorage.data_ptr
+from .storages import address as storage_address
+from .storages import addresses
 
 # Output j as input i itself: (j, i).
 _Same = tuple[int, int]
@@ -74,10 +73,10 @@ class InputViews:
             for path, leaf in _tree.leaves_with_paths(result, root="output")
             if isinstance(leaf, torch.Tensor)
         ]
-        storages = [_storage_address(_storage(t)) for t in inputs]
+        storages = addresses(inputs)
         views = cls(signature, [path for path, _ in tensors], len(tensors))
         for j, (path, out) in enumerate(tensors):
-            address = _storage_address(_storage(out))
+            address = storage_address(out)
             sharing = [i for i, s in enumerate(storages) if address and s == address]
             if not sharing:
                 continue

@@ -22,6 +22,7 @@ from tensordict import TensorDictBase
 
 from .._errors import inputs as _errors
 from . import tree as _tree
+from .storages import readable
 from .tree import Call
 
 metadata = operator.attrgetter("__class__", "shape", "dtype", "device", "requires_grad")
@@ -45,6 +46,8 @@ def validate(name: str, call: Call, device: torch.device, *, allow_grad: bool = 
     """
     for i, leaf in enumerate(call.leaves):
         if isinstance(leaf, torch.Tensor):
+            if not readable(leaf):
+                raise _errors.memoryless_input(name, call.paths()[i], leaf)
             if leaf.device != device:
                 path = call.paths()[i]
                 raise _errors.wrong_device_at_capture(name, path, device, leaf.device)
