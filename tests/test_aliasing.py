@@ -279,3 +279,42 @@ def test_graphed_callables_write_inputs_back_and_refuse_aliased_ones(backend: Ba
     with pytest.raises(InputMismatchError, match=re.escape(_message(name, "args[0]", "args[1]"))):
         graphed(x, x)
     torch.testing.assert_close(x, before)
+
+
+def _foreach_write(x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    x = x + 1
+    torch._foreach_copy_([buf], [x.unsqueeze(-1).expand_as(buf)])
+    return x
+
+
+def _trajectory_write(state: TensorDict, traj: TensorDict) -> TensorDict:
+    # A rollout's transitions written into a preallocated buffer (`update_` copies with one
+    # foreach copy), and the state carried by the returned TensorDict.
+    x = state["x"]
+    for k in range(traj.shape[1]):
+        x = x + 1
+        traj[:, k].update_(TensorDict(obs=x, batch_size=x.shape))
+    state["x"] = x
+    return state
+
+
+def test_writes_by_a_foreach_copy_reach_the_callers_input(backend: Backend) -> None:
+    # The emulation's recording runs under a dispatch mode, where torch leaves the version
+    # counters of a foreach operation's tensors as they were: the writes were missed, and
+    # every replay left the buffer as the capture did, silently.
+    graphed = backend.wrap(_foreach_write, warmup=2)
+    buf, x = torch.zeros(3, 4, device=backend.device), torch.zeros(3, device=backend.device)
+    for i in range(5):
+        x = graphed(x, buf)
+        torch.testing.assert_close(buf, torch.full((3, 4), i + 1.0, device=backend.device))
+
+    graphed = backend.wrap(_trajectory_write, warmup=2)
+    traj = TensorDict(obs=torch.zeros(3, 4, device=backend.device), batch_size=[3, 4])
+    state = TensorDict(x=torch.zeros(3, device=backend.device), batch_size=[3])
+    for i in range(5):
+        state = graphed(state, traj)
+        expected = torch.arange(4 * i + 1, 4 * i + 5, device=backend.device, dtype=torch.float)
+        torch.testing.assert_close(traj["obs"], expected.expand(3, 4))
+        torch.testing.assert_close(
+            state["x"], torch.full((3,), 4.0 * (i + 1), device=backend.device)
+        )

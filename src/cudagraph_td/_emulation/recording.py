@@ -127,6 +127,11 @@ class Recorder(TorchDispatchMode):
                 out = func(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
+        if written and _in_place_foreach(func):
+            # Under a dispatch mode, torch leaves the version counters of the tensors that an
+            # in-place foreach operation writes as they were (`td.update_` copies with one);
+            # a CUDA capture moves them, which tells the library the inputs a graph writes.
+            torch.autograd.graph.increment_version([t for t in written if not t.is_inference()])
         # Memory the operation allocated (not a view of its inputs).
         inputs = {t.untyped_storage().data_ptr() for t in tensors}
         self._made |= {t.untyped_storage().data_ptr() for t in tensors_in(out)} - inputs
@@ -260,6 +265,12 @@ def _check_mixed(
 # Batch norms update their running statistics (arguments 3 and 4) in training (argument 5)
 # without their schema saying so.
 _BATCH_NORMS = {_aten.native_batch_norm.default, _aten.cudnn_batch_norm.default}
+
+
+def _in_place_foreach(func: Any) -> bool:
+    """Whether ``func`` is an in-place foreach operation (``_foreach_copy_``, ...)."""
+    name: str = func.overloadpacket.__name__
+    return name.startswith("_foreach_") and name.endswith("_")
 
 
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
