@@ -21,6 +21,8 @@ from .conftest import Backend, early
 
 ROOT = pathlib.Path(__file__).parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+# The examples that need torchrl, which run in CI's environment beside torchrl.
+WITH_TORCHRL = {"torchrl_sac", "gpu_rollout"}
 
 
 def _run(
@@ -50,7 +52,7 @@ def _run(
 # (without torchrl's, which runs in CI's environment beside torchrl), then the developers'
 # benchmark tools, the ablation last (it stubs the emulation's replays).
 SCRIPTS: dict[str, tuple[pathlib.Path, tuple[str, ...]]] = {
-    **{p.stem: (p, ()) for p in EXAMPLES if not p.stem.startswith("torchrl")},
+    **{p.stem: (p, ()) for p in EXAMPLES if p.stem not in WITH_TORCHRL},
     "run": (ROOT / "benchmarks" / "run.py", ("--repeats", "1", "--calls", "20")),
     "overhead": (ROOT / "benchmarks" / "overhead.py", ("--emulate", "--calls", "32", "--rounds", "1")),
     "leanrl": (
@@ -87,7 +89,7 @@ def _out(scripts: dict[str, dict[str, Any]], name: str) -> str:
 @pytest.mark.early("scripts")
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.stem)
 def test_example_runs(script: pathlib.Path, scripts: dict[str, dict[str, Any]]) -> None:
-    if script.stem.startswith("torchrl"):
+    if script.stem in WITH_TORCHRL:
         pytest.importorskip("torchrl")  # CI's environment beside torchrl runs it
         assert "eager" in _run(script).stdout
         return
