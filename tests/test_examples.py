@@ -59,6 +59,7 @@ SCRIPTS: dict[str, tuple[pathlib.Path, tuple[str, ...]]] = {
         ROOT / "benchmarks" / "leanrl.py",
         ("--emulate", "--steps", "20", "--skip", "4", "--ppo-iterations", "5", "--rounds", "1"),
     ),
+    "python_work": (ROOT / "benchmarks" / "python_work.py", ()),
     "ablate_checks": (ROOT / "benchmarks" / "ablate_checks.py", ("--emulate", "--all")),
 }  # fmt: skip
 
@@ -94,6 +95,18 @@ def test_example_runs(script: pathlib.Path, scripts: dict[str, dict[str, Any]]) 
         assert "eager" in _run(script).stdout
         return
     assert "eager" in _out(scripts, script.stem)
+
+
+@pytest.mark.early("scripts")
+def test_the_python_work_of_a_replay_is_counted(scripts: dict[str, dict[str, Any]]) -> None:
+    rows = _out(scripts, "python_work").splitlines()[1:]
+    assert [row.split("  ")[0] for row in rows] == [
+        "a. a function of one tensor",
+        "c. a policy, module(td)",
+        "c. a policy, module(obs=...)",
+        "c. a function, grad mode",
+    ]
+    assert all(int(row.split()[-1]) > 0 for row in rows)  # frames entered
 
 
 @pytest.mark.early("scripts")
