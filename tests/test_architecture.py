@@ -469,8 +469,7 @@ def _frames(run: Callable[[], Any]) -> list[str]:
 
 _LOOKUP = [
     "_call.module.CudaGraphModule.__call__",
-    "_call.table._find_by_mode.<locals>.find",  # one graph per mode: the mode is the key
-    "_call.modes.mode_reader.<locals>.read",
+    "_call.modes.mode_lookup.<locals>.find",  # one graph per mode: the mode is the key
     "_capture.entry.GraphEntry.replay",
 ]
 

@@ -49,6 +49,32 @@ def mode_reader(module: Any) -> Callable[[], Mode]:
     return read
 
 
+def mode_lookup(
+    module: Any, table: dict[Any, Any]
+) -> Callable[[tuple[Any, ...], dict[str, Any]], Any]:
+    """``mode_reader``'s read and a lookup of ``table`` by the mode alone, as one function of
+    a call: the graph table's ``find`` where a call's key is its mode's (one graph per mode,
+    no static arguments), one call fewer on the replay path. The mode is read as in
+    ``mode_reader`` (`tests/test_modes.py` checks that the two agree in every mode); the key
+    is a plain tuple of a `GraphKey`'s fields (see `_call.table`)."""
+    interaction = interaction_type
+    grad = torch.is_grad_enabled
+    autocast = any_autocast_enabled
+    autocast_state = _autocast_state
+    get = table.get
+
+    def find(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        mode = (
+            interaction(),
+            grad(),
+            getattr(module, "training", None),
+            autocast_state() if autocast() else None,  # None when off everywhere
+        )
+        return get((mode, None, (), None), ())
+
+    return find
+
+
 def current_mode(module: Any) -> Mode:
     """The mode of a call of ``module`` now."""
     return mode_reader(module)()

@@ -21,11 +21,10 @@ table never holds one that another replaced.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from .._capture.entry import GraphEntry, GraphKey
-from .modes import Mode, mode_reader
+from .modes import Mode, mode_lookup, mode_reader
 from .static import StaticArgs
 
 Args = tuple[Any, ...]
@@ -50,7 +49,9 @@ class GraphTable:
         self._mode = mode_reader(module)  # the call's mode, read at every call
         self._entries: dict[GraphKey, tuple[GraphEntry, ...]] = {}
         if not by_shapes and static is None:  # the key is the mode's: `find` reads it alone
-            self.find = _find_by_mode(self._entries, self._mode)  # type: ignore[method-assign, assignment]
+            # A closure over the table's dict, not a method bound to the table, which would
+            # make a reference cycle that only the garbage collector frees.
+            self.find = mode_lookup(module, self._entries)  # type: ignore[method-assign, assignment]
 
     def key(self, args: Args, kwargs: Kwargs, mode: Mode | None = None) -> GraphKey:
         """The key of a call now (``mode``: the call's, if known already). A plain tuple of
@@ -86,18 +87,3 @@ class GraphTable:
     def entries(self) -> list[GraphEntry]:
         """Every entry in the table, once each (for introspection and tests)."""
         return list({id(e): e for entries in self._entries.values() for e in entries}.values())
-
-
-def _find_by_mode(
-    entries: dict[GraphKey, tuple[GraphEntry, ...]], mode: Callable[[], Mode]
-) -> Callable[[Args, Kwargs], tuple[GraphEntry, ...]]:
-    """``GraphTable.find`` where a call's key is its mode's alone (one graph per mode, no
-    static arguments): the key built in place, one call fewer on the replay path. A closure
-    over the table's dict and mode reader, not a method bound to the table, which would
-    make a reference cycle that only the garbage collector frees."""
-
-    def find(args: Args, kwargs: Kwargs) -> tuple[GraphEntry, ...]:
-        key: Any = (mode(), None, (), None)  # a plain tuple: see `GraphTable.key`
-        return entries.get(key, ())
-
-    return find
