@@ -7,6 +7,7 @@
 #   TESTS=0 BENCH=1 bash scripts/gpu_check.sh # the benchmark alone (SOAK=0: without the soak)
 #   TESTS=0 TORCHRL=0 SOAK=0 MEMORY=1 bash scripts/gpu_check.sh  # the memory contract, memcheck
 #   TESTS=0 TORCHRL=0 SOAK=0 LEANRL=1 bash scripts/gpu_check.sh  # LeanRL's loops end to end
+#   TESTS=0 TORCHRL=0 SOAK=0 ROLLOUTS=1 bash scripts/gpu_check.sh  # whole rollouts, steps/s
 #   TESTS=0 TORCHRL=0 SOAK=0 LEANRL_SCRIPTS=1 bash scripts/gpu_check.sh  # LeanRL's own scripts
 # It installs the wheels that ../shared/gpu/fetch-wheels.sh put in .whl/ (if any), and writes
 # its logs to $OUT (or ./gpu-logs when OUT is unset); test-pairs.log pairs each test body's
@@ -60,6 +61,14 @@ if [ "${TORCHRL:-1}" = 1 ] && compgen -G ".whl-rl/torchrl-*.whl" > /dev/null; th
     PYTHONPATH="$PWD/src:/tmp/site-rl" python3 "$example" ${RL_EXAMPLE_ARGS:-} 2>&1 \
       | tee -a "$out/examples.log" || status=1
   done
+fi
+if [ "${ROLLOUTS:-0}" = 1 ] && compgen -G ".whl-rl/torchrl-*.whl" > /dev/null; then
+  # Whole rollouts of torchrl's PendulumEnv (benchmarks/rollouts.py): environment steps per
+  # second, eager per step, the policy graphed, the whole K-step rollout graphed.
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site-rl .whl-rl/*.whl || exit 1
+  PYTHONPATH="$PWD/src:/tmp/site-rl" python3 benchmarks/rollouts.py ${ROLLOUTS_ARGS:-} \
+    --json "$out/rollouts.json" 2>&1 | tee "$out/rollouts.log" || status=1
 fi
 if [ -f "$out/corpus.jsonl" ]; then
   python3 scripts/corpus_table.py "$out/corpus.jsonl" > "$out/corpus-table.md" || status=1

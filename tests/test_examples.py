@@ -109,6 +109,12 @@ def test_the_python_work_of_a_replay_is_counted(scripts: dict[str, dict[str, Any
     assert all(int(row.split()[-1]) > 0 for row in rows)  # frames entered
 
 
+def test_the_rollout_benchmark_runs() -> None:
+    pytest.importorskip("torchrl")  # CI's environment beside torchrl runs it
+    out = _run(ROOT / "benchmarks" / "rollouts.py").stdout
+    assert "eager, per step" in out and "whole rollout graphed" in out
+
+
 @pytest.mark.early("scripts")
 def test_benchmark_runs_without_cuda_and_says_so(scripts: dict[str, dict[str, Any]]) -> None:
     if torch.cuda.is_available():
