@@ -93,7 +93,8 @@ class TensorDictLayer:
 
     def call(self, graphs: Graphs, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Answer:
         """Call the module's graph, which ``graphs`` (the mode's) run, as the module is
-        called: the result, and the entry of the graph that answered (see `_shapes.graphs.Answer`)."""
+        called: the result, and the entry of the graph that answered (see
+        `_shapes.graphs.Answer`)."""
         # The graphs go through dispatch as a keyword that no in_key can be named, with
         # whether the call is one of keyword tensors (dispatch makes their TensorDict), and
         # the list that receives the graphs' answer.

@@ -46,7 +46,8 @@ class Verifier:
         return self._checked.get(graph, 0) < self.replays
 
     def copy_inputs(self, call: Call) -> Any:
-        """The call's inputs with every tensor cloned: the eager run's own, taken before the replay."""
+        """The call's inputs with every tensor cloned: the eager run's own, taken before the
+        replay."""
         with torch.no_grad():
             copies = [t.clone() if isinstance(t, torch.Tensor) else t for t in call.leaves]
         return _tree.unflatten(call.spec, copies)

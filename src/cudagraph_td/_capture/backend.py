@@ -66,8 +66,9 @@ def make_backend(
     borrow: bool = False,
 ) -> Backend:
     """The backend called ``name``; a CUDA one on ``device``, else on the device of the
-    first call's ``leaves`` (see `_capture.devices.call_device`). ``agreement``: the ranks' `Agreement` of a DDP
-    step, else None. ``borrow``: outputs lent, not copied (``outputs="borrowed"``)."""
+    first call's ``leaves`` (see `_capture.devices.call_device`). ``agreement``: the ranks'
+    `Agreement` of a DDP step, else None. ``borrow``: outputs lent, not copied
+    (``outputs="borrowed"``)."""
     backend: Backend
     if name == "emulate":
         backend = EmulatedBackend(device, rerun=agreement is not None)  # see `EmulatedBackend`

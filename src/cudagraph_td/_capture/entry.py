@@ -60,8 +60,8 @@ class GraphKey(NamedTuple):
     autocast: see `_call.modes`), its device (None off CUDA), the values of the static
     arguments (see `_call.static`), and its ``shapes``: None for ``shapes="static"``, the
     call's structure and tensor shapes for ``"exact"`` (`exact_key`), the bucket's batch
-    dims for ``"buckets"`` (see `_shapes`). The graphs of one mode, device and static values are one
-    `Graphs`, under their key with ``shapes`` None (see `_shapes.graphs`).
+    dims for ``"buckets"`` (see `_shapes`). The graphs of one mode, device and static
+    values are one `Graphs`, under their key with ``shapes`` None (see `_shapes.graphs`).
 
     The wrapper's table (`_call.table`) keys calls the same way before reading their
     tensors: the device left to each entry's check (None), and ``shapes`` as the call's
@@ -85,11 +85,12 @@ _NO_ROUTE: tuple[Read, Write | None] = (_miss, None)
 class GraphEntry:
     """One graph: its key, its warm-ups, its backend, its captured call, its routes, its counters.
 
-    ``key`` is the graph's key (`GraphKey`; None for a callable of `make_graphed_callables`); ``name`` names the wrapper in
-    errors, ``label`` the graph in log records. ``fn`` is the function it captures, run ``warmup - 1`` times eagerly first;
-    ``make_backend(leaves)`` makes its backend at the first call (None: no graph,
-    every call runs ``fn``); ``routes(signature, outputs)`` its routes once captured;
-    ``lock`` is the wrappers' replay lock, which the calling thread holds. The entry holds
+    ``key`` is the graph's key (`GraphKey`; None for a callable of `make_graphed_callables`);
+    ``name`` names the wrapper in errors, ``label`` the graph in log records. ``fn`` is the
+    function it captures, run ``warmup - 1`` times eagerly first; ``make_backend(leaves)``
+    makes its backend at the first call (None: no graph, every call runs ``fn``);
+    ``routes(signature, outputs)`` gives its routes once captured; ``lock`` is the
+    wrappers' replay lock, which the calling thread holds. The entry holds
     no reference to the wrapper that owns it, so that dropping the wrapper frees the graph
     at once, without waiting for the garbage collector.
 
@@ -121,8 +122,9 @@ class GraphEntry:
         self.counter = 0  # the calls before the first replay: warm-ups, then the capture
         self.captured: Captured | None = None
         self.replays = 0  # the calls the captured graph answered, on either path
-        self.padded_calls = 0  # of which padded to this bucket's size (see `_shapes.buckets`)
-        self.padded_call_rows = 0  # and their rows before the padding
+        # Calls padded to this bucket's size that it answered, counted apart (see
+        # `_shapes.buckets`), and their rows before the padding.
+        self.padded_calls = self.padded_call_rows = 0
         self.rows: dict[Hashable, GraphEntry] = {}  # a bucket's rows, by the calls' key
         self.batch = (1, 1)  # the rows of its calls, and of its graph (a bucket's rows)
         self._expected: list[Any] = []

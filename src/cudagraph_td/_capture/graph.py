@@ -1,9 +1,11 @@
-"""A graph's life: warm-up calls, the capture, then replays.
+"""The capture of a call, and the plain captured call.
 
 A graph's entry (`_capture.entry.GraphEntry`) runs a function through the stages of one
-graph. ``capture`` records the call that ends the warm-up: a plain graph (``GraphCall``) or, when the result needs
-gradients, a forward and a backward graph inside an autograd node (see `_capture.autograd`). Either
-is a complete captured call (`_capture.captured.Captured`) that the replay path launches.
+graph. ``capture`` records the call that ends the warm-up: a plain graph (``GraphCall``)
+or, when the result needs gradients, a forward and a backward graph inside an autograd node
+(see `_capture.autograd`). Either is a complete captured call (`_capture.captured.Captured`)
+that the replay path launches. ``capture_turn`` is the one lock under which a wrapper's
+function runs.
 """
 
 from __future__ import annotations

@@ -153,8 +153,8 @@ class BucketGraphs(Graphs):
         batch: tuple[int, ...],
         call: Call,
     ) -> GraphEntry | None:
-        """The entry of the bucket ``size``'s captured graph (``entry``'s) replayed on ``batch`` rows of
-        its buffers, for calls like this one: one of ``entry.rows``; None if it is not
+        """The entry of the bucket ``size``'s captured graph (``entry``'s) replayed on ``batch``
+        rows of its buffers, for calls like this one: one of ``entry.rows``; None if it is not
         captured, or captured for autograd, or if the call differs from the capture in more
         than its batch dims (the padded call's full check then names the leaf)."""
         captured = entry.captured

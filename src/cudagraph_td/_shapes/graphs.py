@@ -1,8 +1,9 @@
 """Several shapes: the graphs of one mode of a wrapper, and the graph that each call replays.
 
-``shapes="static"`` keeps one graph. ``"exact"`` captures one graph per input signature (the
-call's structure and the shapes of its tensors), each on first sight with its own warm-up. ``"buckets"`` pads
-the batch dims of a call to the next bucket size (see `_shapes.buckets`).
+``shapes="static"`` keeps one graph. ``"exact"`` captures one graph per input signature
+(the call's structure and the shapes of its tensors), each on first sight with its own
+warm-up. ``"buckets"`` pads the batch dims of a call to the next bucket size (see
+`_shapes.buckets`).
 
 ``Graphs`` holds the graphs of one mode, device and static values: each one's entry
 (`_capture.entry.GraphEntry`: its warm-ups, capture, recaptures and replays) by its key
@@ -192,7 +193,8 @@ class Graphs:
     # Introspection -------------------------------------------------------------------------
 
     def infos(self, mode: str) -> list[GraphInfo]:
-        """The graphs of this mode: each one's replays since its capture (see `GraphEntry.counts`)."""
+        """The graphs of this mode: each one's replays since its capture (see
+        `GraphEntry.counts`)."""
         infos = []
         for key, entry in self.entries.items():
             replays, rows, replayed_rows = entry.counts()
