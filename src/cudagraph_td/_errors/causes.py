@@ -63,6 +63,8 @@ CAPTURE_CAUSES: dict[tuple[str, ...], str] = {
     ),
     ("cudaErrorStreamCaptureInvalidated", "capture was invalidated"): (
         "an earlier operation of the function broke the capture, often a host "
-        "synchronisation (`.item()`, `print()` of a CUDA tensor) or work on another stream."
+        "synchronisation (`.item()`, `print()` of a CUDA tensor, an `if` on a tensor: "
+        "compute on the device instead, `torch.where` for a branch) or work on another "
+        "stream."
     ),
 }
