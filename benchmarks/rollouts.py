@@ -2,7 +2,9 @@
 
 For each number of environments (``--envs``), in rounds that interleave the variants:
 the eager per-step loop; the per-step loop with the policy graphed (``CudaGraphModule``);
-the whole K-step rollout graphed, for each K of ``--steps``. The rollout is
+the whole K-step rollout graphed, for each K of ``--steps``; and torchrl's ``Collector``
+over the same pendulums (a ``PendulumEnv`` with a batch size) and the same policy network,
+with tensordict's ``cudagraph_policy`` on CUDA (batches of N x K frames). The rollout is
 ``examples/gpu_rollout.py``'s (policy, ``PendulumEnv._step``, resets with ``torch.where``,
 the trajectory written in place). Each timing runs ``--calls`` rollouts of K steps between
 two synchronisations; the report gives the median over the rounds, with their range, and
@@ -24,6 +26,8 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
+from tensordict.nn import TensorDictModule
+from torch import nn
 
 from cudagraph_td import CudaGraphModule
 
@@ -39,8 +43,11 @@ def _example() -> Any:
     return module
 
 
-def variants(example: Any, envs: int, steps: list[int], device: torch.device) -> dict[str, Any]:
-    """Each variant's call (K steps of every environment) and its K."""
+def variants(
+    example: Any, envs: int, steps: list[int], device: torch.device, closing: list[Any]
+) -> dict[str, Any]:
+    """Each variant's call (K steps of every environment) and its K; what must be shut down
+    goes into ``closing``."""
     backend: Literal["cuda", "emulate"] = "cuda" if device.type == "cuda" else "emulate"
     found: dict[str, Any] = {}
     for k in steps:
@@ -51,7 +58,68 @@ def variants(example: Any, envs: int, steps: list[int], device: torch.device) ->
                 found[name] = (_per_step(rollout, act), k)
         whole = CudaGraphModule(rollout.run, backend=backend)
         found[f"whole rollout graphed, K={k}"] = (_whole(rollout, whole), k)
+    first = example.Rollout(envs, steps[0], 200, device)
+    call, collector = _collector(example, first, device.type == "cuda")
+    closing.append(collector)
+    name = "torchrl collector" + (", cudagraph_policy" if device.type == "cuda" else "")
+    found[name] = (call, steps[0])
     return found
+
+
+def _collector(example: Any, rollout: Any, cuda: bool) -> tuple[Callable[[], None], Any]:
+    """torchrl's collector over N pendulums with the rollout's policy network: a call takes
+    one batch of N x K frames. Returns the call and the collector (to shut down)."""
+    from torchrl.collectors import Collector
+    from torchrl.data import Bounded, Composite, Unbounded
+    from torchrl.envs.utils import make_composite_from_td
+
+    envs, device = rollout.envs, rollout.device
+
+    class BatchedPendulum(example.PendulumEnv):  # type: ignore[misc]
+        """``PendulumEnv`` with a batch size: N pendulums stepped as one batch."""
+
+        def _make_spec(self, td_params: Any) -> None:
+            self.batch_size = torch.Size([envs])
+            params = self.gen_params(batch_size=[envs], device=device)["params"]
+            self.observation_spec = Composite(
+                th=Bounded(low=-torch.pi, high=torch.pi, shape=(envs,), dtype=torch.float32),
+                thdot=Bounded(low=-8.0, high=8.0, shape=(envs,), dtype=torch.float32),
+                params=make_composite_from_td(params, unsqueeze_null_shapes=False),
+                shape=(envs,),
+            )
+            self.state_spec = self.observation_spec.clone()
+            self.action_spec = Bounded(low=-2.0, high=2.0, shape=(envs, 1), dtype=torch.float32)
+            self.reward_spec = Unbounded(shape=(envs, 1))
+
+    class Features(nn.Module):
+        """The rollout's policy network, on the pendulum's angle and speed."""
+
+        def __init__(self, net: nn.Module):
+            super().__init__()
+            self.net = net
+
+        def forward(self, th: torch.Tensor, thdot: torch.Tensor) -> torch.Tensor:
+            return self.net(torch.stack([th.cos(), th.sin(), thdot], -1))  # type: ignore[no-any-return]
+
+    policy = TensorDictModule(
+        Features(rollout.policy.module), in_keys=["th", "thdot"], out_keys=["action"]
+    )
+    collector = Collector(
+        BatchedPendulum(device=device),
+        policy,
+        frames_per_batch=envs * rollout.steps,
+        total_frames=-1,
+        max_frames_per_traj=rollout.horizon,
+        device=device,
+        cudagraph_policy=cuda,  # tensordict's class, which needs CUDA
+        auto_register_policy_transforms=False,
+    )
+    batches = iter(collector)
+
+    def call() -> None:
+        next(batches)
+
+    return call, collector
 
 
 def _per_step(rollout: Any, act: Callable[..., Any]) -> Callable[[], None]:
@@ -93,7 +161,8 @@ def main() -> None:
     with torch.no_grad():
         for envs in (int(n) for n in args.envs.split(",")):
             torch.manual_seed(0)
-            found = variants(example, envs, ks, device)
+            closing: list[Any] = []
+            found = variants(example, envs, ks, device, closing)
             for call, _ in found.values():  # warm-ups and captures
                 for _ in range(3):
                     call()
@@ -119,6 +188,8 @@ def main() -> None:
                     f"  (rounds {min(each):,.0f}..{max(each):,.0f})"
                 )
             results[str(envs)] = rates
+            for collector in closing:
+                collector.shutdown()
     if not cuda:
         print("(on the CPU emulation: a smoke test, not a GPU's timings)")
     if args.json:
