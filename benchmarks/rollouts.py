@@ -167,27 +167,45 @@ def main() -> None:
                 for _ in range(3):
                     call()
             rates: dict[str, list[float]] = {name: [] for name in found}
+            # Where the time goes: the CPU's time to issue a step, and the GPU's time a step
+            # (CUDA events around the same calls); a graph's step is GPU-bound when the
+            # first is below the second.
+            issue: dict[str, list[float]] = {name: [] for name in found}
+            gpu: dict[str, list[float]] = {name: [] for name in found}
             for _ in range(args.rounds):
                 for name, (call, k) in found.items():
                     # The same number of environment steps for every variant.
                     repeats = max(1, args.calls * ks[-1] // k)
                     if cuda:
                         torch.cuda.synchronize()
+                        begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                        begin.record()
                     start = time.perf_counter()
                     for _ in range(repeats):
                         call()
+                    issued = time.perf_counter() - start
                     if cuda:
+                        end.record()
                         torch.cuda.synchronize()
+                        gpu[name].append(begin.elapsed_time(end) * 1e3 / (repeats * k))
+                    issue[name].append(issued * 1e6 / (repeats * k))
                     rates[name].append(repeats * k * envs / (time.perf_counter() - start))
             eager = statistics.median(rates["eager, per step"])
             print(f"{envs} environments ({results['device']})")
             for name, each in rates.items():
                 median = statistics.median(each)
+                where = f"  CPU {statistics.median(issue[name]):8.1f} us/step issued"
+                if gpu[name]:
+                    where += f", GPU {statistics.median(gpu[name]):8.1f} us/step"
                 print(
                     f"  {name:32s} {median:14,.0f} steps/s  x{median / eager:6.2f} eager"
-                    f"  (rounds {min(each):,.0f}..{max(each):,.0f})"
+                    f"  (rounds {min(each):,.0f}..{max(each):,.0f}){where}"
                 )
-            results[str(envs)] = rates
+            results[str(envs)] = {
+                "steps_per_s": rates,
+                "cpu_us_per_step": issue,
+                "gpu_us_per_step": gpu,
+            }
             for collector in closing:
                 collector.shutdown()
     if not cuda:
