@@ -17,6 +17,7 @@ the ratio of each variant to the eager loop, in one run. Without CUDA, on the em
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import pathlib
@@ -54,10 +55,11 @@ def variants(
         rollout = example.Rollout(envs, k, 200, device)
         if k == steps[0]:  # the per-step loops, timed over as many steps
             policy = CudaGraphModule(rollout.policy, backend=backend)
-            for name, act in (("eager, per step", rollout.policy), ("policy graphed", policy)):
-                found[name] = (_per_step(rollout, act), k)
+            found["eager, per step"] = (rollout.caller(rollout.run), k)
+            graphed_policy = functools.partial(rollout.run, act=policy)
+            found["policy graphed"] = (rollout.caller(graphed_policy), k)
         whole = CudaGraphModule(rollout.run, backend=backend)
-        found[f"whole rollout graphed, K={k}"] = (_whole(rollout, whole), k)
+        found[f"whole rollout graphed, K={k}"] = (rollout.caller(whole), k)
     first = example.Rollout(envs, steps[0], 200, device)
     call, collector = _collector(example, first, device.type == "cuda")
     closing.append(collector)
@@ -120,29 +122,6 @@ def _collector(example: Any, rollout: Any, cuda: bool) -> tuple[Callable[[], Non
         next(batches)
 
     return call, collector
-
-
-def _per_step(rollout: Any, act: Callable[..., Any]) -> Callable[[], None]:
-    state, trajectory = rollout.start(), rollout.trajectory()
-
-    def call() -> None:
-        nonlocal state
-        for k in range(rollout.steps):
-            new = rollout.step(state, act)
-            trajectory[:, k].update_(new.select("observation", "action", "reward", "done"))
-            state = new.select("th", "thdot", "t")
-
-    return call
-
-
-def _whole(rollout: Any, whole: Callable[..., Any]) -> Callable[[], None]:
-    state, trajectory = rollout.start(), rollout.trajectory()
-
-    def call() -> None:
-        nonlocal state
-        state = whole(state, trajectory)
-
-    return call
 
 
 def main() -> None:

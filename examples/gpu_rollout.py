@@ -21,6 +21,7 @@ library's CPU emulation, with a few environments (its timings are not a GPU's).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -101,14 +102,32 @@ class Rollout:
             batch_size=[self.envs],
         )
 
-    def run(self, state: TensorDict, trajectory: TensorDict) -> TensorDict:
+    def run(
+        self,
+        state: TensorDict,
+        trajectory: TensorDict,
+        act: Callable[[TensorDict], TensorDict] | None = None,
+    ) -> TensorDict:
         """K steps from ``state``: each transition written into ``trajectory`` (in place), and
-        the next state returned. The function that is graphed whole."""
+        the next state returned. The function that is graphed whole; eager, with ``act`` (a
+        graphed policy, say) for the policy, the per-step loop."""
+        act = self.policy if act is None else act
         for k in range(self.steps):
-            new = self.step(state, self.policy)
+            new = self.step(state, act)
             trajectory[:, k].update_(new.select("observation", "action", "reward", "done"))
             state = new.select("th", "thdot", "t")
         return state
+
+    def caller(self, run: Callable[[TensorDict, TensorDict], TensorDict]) -> Callable[[], None]:
+        """A call of ``run`` (``self.run``, graphed or not) on episodes of its own: each call
+        runs K steps from the state the last one left."""
+        state, trajectory = self.start(), self.trajectory()
+
+        def call() -> None:
+            nonlocal state
+            state = run(state, trajectory)
+
+        return call
 
 
 def main() -> None:
@@ -126,18 +145,6 @@ def main() -> None:
     whole = CudaGraphModule(rollout.run, backend=backend)
     policy = CudaGraphModule(rollout.policy, backend=backend)
 
-    def per_step(act: Callable[[TensorDict], TensorDict]) -> Callable[[], None]:
-        state, trajectory = rollout.start(), rollout.trajectory()
-
-        def call() -> None:
-            nonlocal state
-            for k in range(args.steps):
-                new = rollout.step(state, act)
-                trajectory[:, k].update_(new.select("observation", "action", "reward", "done"))
-                state = new.select("th", "thdot", "t")
-
-        return call
-
     with torch.no_grad():
         # The graphed rollout's trajectories are eager ones, from the same seed.
         trajectories = []
@@ -151,16 +158,10 @@ def main() -> None:
         torch.testing.assert_close(trajectories[1], trajectories[0])
         print(f"trajectories: graphed as eager ({args.envs} environments, {4 * args.steps} steps)")
 
-        state, trajectory = rollout.start(), rollout.trajectory()
-
-        def whole_rollout() -> None:
-            nonlocal state
-            state = whole(state, trajectory)
-
         variants = {
-            "eager, per step": per_step(rollout.policy),
-            "policy graphed, per step": per_step(policy),
-            f"whole {args.steps}-step rollout graphed": whole_rollout,
+            "eager, per step": rollout.caller(rollout.run),
+            "policy graphed, per step": rollout.caller(functools.partial(rollout.run, act=policy)),
+            f"whole {args.steps}-step rollout graphed": rollout.caller(whole),
         }
         for name, call in variants.items():
             for _ in range(3):  # warm-ups and captures
