@@ -514,3 +514,5 @@ def test_the_frames_of_a_first_call_flatten_it_once(stage: str) -> None:
     assert [f for f in frames if f.endswith("(a call)")] == ["_values.tree.flatten (a call)"]
     assert frames.count("_values.tree.flatten_call") == 1
     assert "_call.module.CudaGraphModule._call" in frames
+    # Whether the state its graph reads holds is asked once, by the entry that replays it.
+    assert frames.count("_capture.entry.GraphEntry.holds") == (stage == "checked replay")

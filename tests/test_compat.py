@@ -510,3 +510,22 @@ def test_no_subclass_functions_runs_torch_functions_of_a_subclass_as_torch_s() -
     t = torch.ones(2).as_subclass(Sub)
     out = t + 1
     assert type(out) is torch.Tensor and len(seen) == 1
+
+
+def test_a_memoryless_wrapper_subclass_storage_raises_the_matched_message() -> None:
+    # `_values.storages.readable` tells a wrapper subclass's own storage (no memory) from a
+    # lent one made unreadable by the words of torch's error, `_compat.NO_MEMORY`.
+    class Wrapper(torch.Tensor):
+        @staticmethod
+        def __new__(cls, payload: torch.Tensor) -> Wrapper:
+            return torch.Tensor._make_wrapper_subclass(cls, payload.shape, dtype=payload.dtype)
+
+        @classmethod
+        def __torch_dispatch__(
+            cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            raise NotImplementedError
+
+    wrapped = Wrapper(torch.zeros(3))
+    with pytest.raises(RuntimeError, match=_compat.NO_MEMORY):
+        torch.Tensor.untyped_storage(wrapped).data_ptr()

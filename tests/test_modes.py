@@ -34,7 +34,7 @@ def test_the_lookup_reads_the_mode_as_the_reader_does(
 ) -> None:
     module = torch.nn.Linear(2, 2).train(training)
     table: dict[object, object] = {}
-    read, find = mode_reader(module), mode_lookup(module, table)
+    read, find = mode_reader(module), mode_lookup(module, table)[1]
     with _mode(grad, training, interaction, autocast):
         mode = read()
         table[(mode, None, (), None)] = "found"

@@ -132,6 +132,14 @@ def graph_replay(graph: Any) -> Callable[[], None]:
     return graph.replay  # type: ignore[no-any-return]
 
 
+NO_MEMORY = "invalid python storage"
+"""What torch's error says of a storage that holds no memory: a wrapper subclass's own
+(``_make_wrapper_subclass``), whose ``data_ptr`` raises ``RuntimeError`` with it. Matched by
+`_values.storages.readable`, which tells such a storage from one made unreadable by a lease.
+No public API tells them apart. Checked (torch 2.11, 2.13); if changed: a memoryless
+subclass's error is raised as torch's, not the library's."""
+
+
 # --- torch: borrowed outputs (`_values.borrowed`) ------------------------------------------
 
 

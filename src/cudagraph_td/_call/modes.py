@@ -31,12 +31,25 @@ def _autocast_state() -> Any:
 def mode_reader(module: Any) -> Callable[[], Mode]:
     """A function that reads the mode of a call of ``module`` now, its reads bound once: the
     graph table calls it at every call (see `_call.table`)."""
-    # The reads bound to the closure's own names: one lookup each at a call, not a global's
+    return mode_lookup(module, {})[0]
+
+
+def mode_lookup(
+    module: Any, table: dict[Any, Any]
+) -> tuple[Callable[[], Mode], Callable[[tuple[Any, ...], dict[str, Any]], Any]]:
+    """The read of the mode of a call of ``module`` now, and a lookup of ``table`` by the
+    mode alone, as one function of a call: the graph table's ``find`` where a call's key is
+    its mode's (one graph per mode, no static arguments), one call fewer on the replay path
+    than the read and a lookup. Both read the mode with the same expression
+    (`tests/test_modes.py` checks that they agree in every mode); the key is a plain tuple
+    of a `GraphKey`'s fields (see `_call.table`)."""
+    # The reads bound to the closures' own names: one lookup each at a call, not a global's
     # and a module attribute's.
     interaction = interaction_type
     grad = torch.is_grad_enabled
     autocast = any_autocast_enabled
     autocast_state = _autocast_state
+    get = table.get
 
     def read() -> Mode:
         return (
@@ -45,23 +58,6 @@ def mode_reader(module: Any) -> Callable[[], Mode]:
             getattr(module, "training", None),
             autocast_state() if autocast() else None,  # None when off everywhere
         )
-
-    return read
-
-
-def mode_lookup(
-    module: Any, table: dict[Any, Any]
-) -> Callable[[tuple[Any, ...], dict[str, Any]], Any]:
-    """``mode_reader``'s read and a lookup of ``table`` by the mode alone, as one function of
-    a call: the graph table's ``find`` where a call's key is its mode's (one graph per mode,
-    no static arguments), one call fewer on the replay path. The mode is read as in
-    ``mode_reader`` (`tests/test_modes.py` checks that the two agree in every mode); the key
-    is a plain tuple of a `GraphKey`'s fields (see `_call.table`)."""
-    interaction = interaction_type
-    grad = torch.is_grad_enabled
-    autocast = any_autocast_enabled
-    autocast_state = _autocast_state
-    get = table.get
 
     def find(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         mode = (
@@ -72,7 +68,7 @@ def mode_lookup(
         )
         return get((mode, None, (), None), ())
 
-    return find
+    return read, find
 
 
 def current_mode(module: Any) -> Mode:

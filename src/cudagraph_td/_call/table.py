@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._capture.entry import GraphEntry, GraphKey
-from .modes import Mode, mode_lookup, mode_reader
+from .modes import Mode, mode_lookup
 from .static import StaticArgs
 
 Args = tuple[Any, ...]
@@ -46,12 +46,13 @@ class GraphTable:
     def __init__(self, module: Any, by_shapes: bool, static: StaticArgs | None):
         self._by_shapes = by_shapes
         self._static = static
-        self._mode = mode_reader(module)  # the call's mode, read at every call
         self._entries: dict[GraphKey, tuple[GraphEntry, ...]] = {}
-        if not by_shapes and static is None:  # the key is the mode's: `find` reads it alone
-            # A closure over the table's dict, not a method bound to the table, which would
-            # make a reference cycle that only the garbage collector frees.
-            self.find = mode_lookup(module, self._entries)  # type: ignore[method-assign, assignment]
+        # The call's mode, read at every call; and where the key is the mode's, `find` reads
+        # it alone: a closure over the table's dict, not a method bound to the table, which
+        # would make a reference cycle that only the garbage collector frees.
+        self._mode, find = mode_lookup(module, self._entries)
+        if not by_shapes and static is None:
+            self.find = find  # type: ignore[method-assign, assignment]
 
     def key(self, args: Args, kwargs: Kwargs, mode: Mode | None = None) -> GraphKey:
         """The key of a call now (``mode``: the call's, if known already). A plain tuple of

@@ -132,21 +132,15 @@ class GraphEntry:
 
     # The slow path -------------------------------------------------------------------------
 
-    def run(self, call: Call, rows: int = 0) -> Any:
+    def run(self, call: Call, rows: int = 0) -> tuple[Any, bool]:
         """Answer a call as the graph's stage requires: a warm-up, the capture, a replay
         checked in full, or a new capture when state the graph reads was replaced (a
-        recapture). ``rows``: a call padded to this bucket's graph, of that many rows before
-        its padding (counted apart)."""
+        recapture); and whether it was a replay. ``rows``: a call padded to this bucket's
+        graph, of that many rows before its padding (counted apart)."""
         captured = self.captured
         if captured is not None:
             if self.holds():
-                out = _captured.replay_checked(captured, call)
-                if rows:
-                    self.padded_calls += 1
-                    self.padded_call_rows += rows
-                else:
-                    self.replays += 1
-                return out
+                return self.replay_in_full(call, rows), True
             # State the graph reads was replaced: a new capture, from the warm-up (a
             # RecaptureWarning turned into an error refuses it, and the graph stays as it was).
             assert captured.state is not None
@@ -154,13 +148,13 @@ class GraphEntry:
             self.empty()
         if self.make_backend is None:  # no CUDA: eager calls, capturable optimizers allowed
             with capturable_on_cpu():  # so that a training step's code runs as on a GPU
-                return self.fn(*call.args, **call.kwargs)
+                return self.fn(*call.args, **call.kwargs), False
         with capture_turn(self.lock):  # the function runs only under it
             if self.captured is not None:  # captured by another thread while this one waited
                 return self.run(call, rows)
             backend = self.backend = self.backend or self.make_backend(call.leaves)
             if self.counter >= self.warmup - 1:
-                return self._capture(backend, call)
+                return self._capture(backend, call), False
             validate(self.name, call, backend.device, allow_grad=torch.is_grad_enabled())
             stage = f"run warm-up call {self.counter + 1} of {self.warmup - 1}"
             try:
@@ -169,7 +163,19 @@ class GraphEntry:
                 raise _errors.capture_failure(self.name, stage, err, device=backend.device) from err
             self.counter += 1
             _log.warmed_up(self.label, self.counter, self.warmup - 1)
-            return result
+            return result, False
+
+    def replay_in_full(self, call: Call, rows: int = 0) -> Any:
+        """Replay the captured graph for a call checked in full (the slow path's replay), the
+        state it reads known to hold; counted, apart where padded (``rows``, see `run`)."""
+        assert self.captured is not None
+        out = _captured.replay_checked(self.captured, call)
+        if rows:
+            self.padded_calls += 1
+            self.padded_call_rows += rows
+        else:
+            self.replays += 1
+        return out
 
     def _capture(self, backend: Backend, call: Call) -> Any:
         logged = _log.logger.isEnabledFor(logging.INFO)
@@ -288,7 +294,7 @@ class GraphEntry:
     def replay(self, args: Args, kwargs: Kwargs) -> Any:
         """Replay the graph for this call; ``MISS`` if the call is not one it reads."""
         if kwargs:
-            read, write = self._by_keywords[TENSORDICT_OUT in kwargs]  # `_route`, one call fewer
+            read, write = self._by_keywords[TENSORDICT_OUT in kwargs]  # read in place: no call
         elif self._fused is not None:  # `module(td)`, one in_key and one out_key
             out = self._fused(args)
             if out is not MISS:
@@ -318,15 +324,10 @@ class GraphEntry:
         self.replays += 1
         return fresh[0] if write is None else write(args, kwargs, fresh)
 
-    def _route(self, kwargs: Kwargs) -> tuple[Read, Write | None]:
-        """The route of a call's kind: by its keywords (``tensordict_out=`` or others)."""
-        if not kwargs:
-            return self._by_position
-        return self._by_keywords[TENSORDICT_OUT in kwargs]
-
     def reads(self, args: Args, kwargs: Kwargs) -> bool:
         """Whether a replay would read this call (its kind, structure and tensors' metadata)."""
-        tensors = self._route(kwargs)[0](args, kwargs)
+        route = self._by_keywords[TENSORDICT_OUT in kwargs] if kwargs else self._by_position
+        tensors = route[0](args, kwargs)
         try:
             return tensors is not None and list(map(metadata, tensors)) == self._expected
         except Exception:  # a leaf that is not a tensor

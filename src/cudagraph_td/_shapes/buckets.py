@@ -55,7 +55,7 @@ class BucketGraphs(Graphs):
         if entry is not None:
             view = self._rows(entry, size, batch, call)
             if view is not None and view.holds():
-                return Answer(view.run(call), view, replayed=True)
+                return Answer(view.replay_in_full(call), view, replayed=True)
         else:
             group = self._group(size)
             if len(group) > 1:
@@ -63,9 +63,8 @@ class BucketGraphs(Graphs):
             if len(self.entries) >= options.max_graphs:
                 return Answer(self._overflow(call, None))
             entry = self.entries[key] = self.new_entry(size)
-        replayed = entry.captured is not None and entry.holds()
         padded = _tree.flatten_call(*_padding.resize(call, size))  # another call: its own
-        out = entry.run(padded, rows=0 if batch == size else _numel(batch))
+        out, replayed = entry.run(padded, rows=0 if batch == size else _numel(batch))
         self._refuse(key, entry)
         result = _padding.rows(self.name, out, size, batch)
         # Once a bucket's graph is captured, calls like this one take its rows' entry.
@@ -114,7 +113,7 @@ class BucketGraphs(Graphs):
         self._check(group[0], batch, call)  # its warm-ups pad the call to it
         lead = self._lead = self._lead or self.new_entry(group[0])
         if lead.counter < lead.warmup - 1:
-            out = lead.run(_tree.flatten_call(*_padding.resize(call, group[0])))
+            out, _ = lead.run(_tree.flatten_call(*_padding.resize(call, group[0])))
             return Answer(_padding.rows(self.name, out, group[0], batch))
         self._lead = None
         self.entries[self.key._replace(shapes=group[0])] = lead
@@ -123,7 +122,7 @@ class BucketGraphs(Graphs):
             key = self.key._replace(shapes=each)
             entry = self.entries.get(key) or self.entries.setdefault(key, self.new_entry(each))
             entry.skip_warmup()  # the largest's warm-ups did the lazy initialisations
-            out = entry.run(_tree.flatten_call(*_padding.resize(call, each)))
+            out, _ = entry.run(_tree.flatten_call(*_padding.resize(call, each)))
             self._refuse(key, entry)
             if each == size:
                 result = _padding.rows(self.name, out, size, batch)

@@ -152,8 +152,7 @@ class Graphs:
                 if len(self.entries) >= self.options.max_graphs:
                     return Answer(self._overflow(call, None))
             entry = self.entries[key] = self.new_entry(shapes)
-        replayed = entry.captured is not None and entry.holds()
-        out = entry.run(call)
+        out, replayed = entry.run(call)
         return Answer(out, entry if entry.captured is not None else None, replayed)
 
     def new_entry(self, shapes: Hashable) -> GraphEntry:

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .._compat import NO_MEMORY
+
 _storage = torch.Tensor.untyped_storage
 _address = torch.UntypedStorage.data_ptr
 
@@ -37,10 +39,6 @@ def addresses(tensors: Sequence[torch.Tensor]) -> list[int]:
         return [address(t) for t in tensors]
 
 
-# What torch says of a storage that holds no memory (a wrapper subclass's own).
-_NO_MEMORY = "invalid python storage"
-
-
 def readable(tensor: torch.Tensor) -> bool:
     """Whether the memory of ``tensor`` can be read (see ``address``).
 
@@ -51,7 +49,7 @@ def readable(tensor: torch.Tensor) -> bool:
     try:
         address(tensor)
     except RuntimeError as err:
-        if _NO_MEMORY not in str(err):
+        if NO_MEMORY not in str(err):
             raise
         return False
     return True
