@@ -143,24 +143,22 @@ join_parts() {
   want=$(awk '$1 == "archive" {print $2}' "$stage/MANIFEST")
   got=$(sha256sum "$stage/wheels.tar.xz" | cut -d' ' -f1)
   [ "$want" = "$got" ] || { echo "archive: sha256 $got, the manifest says $want" >&2; exit 1; }
-  rm -rf "$stage/wheels" && mkdir -p "$stage/wheels"
+  rm -rf "$stage/unpacked" "$stage/wheels" && mkdir -p "$stage/unpacked" "$stage/wheels"
   # Python's lzma, in case the machine has no xz.
   python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' \
-    "$stage/wheels.tar.xz" "$stage/wheels"
-  rm -f "$stage"/part.* "$stage/wheels.tar.xz"
-  # Zip each wheel again (stored: pip reads it once), then install; pip's RECORD of each
-  # wheel is checked against the files installed below.
-  python3 - "$stage/wheels" <<'EOF'
+    "$stage/wheels.tar.xz" "$stage/unpacked"
+  rm -f "$stage/wheels.tar.xz"
+  # Zip each wheel again (stored: pip reads it once), then install; each installed file is
+  # checked against its wheel's RECORD below.
+  python3 - "$stage/unpacked" "$stage/wheels" <<'EOF'
 import pathlib, sys, zipfile
-root = pathlib.Path(sys.argv[1])
+root, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 for folder in sorted(p for p in root.iterdir() if p.is_dir()):
-    with zipfile.ZipFile(root / f"{folder.name}.tmp", "w", zipfile.ZIP_STORED) as whl:
+    with zipfile.ZipFile(out / folder.name, "w", zipfile.ZIP_STORED) as whl:
         for path in sorted(folder.rglob("*")):
             if path.is_file():
                 whl.write(path, path.relative_to(folder).as_posix())
-    (root / f"{folder.name}.tmp").rename(root / f"{folder.name}.whl.zip")
 EOF
-  for zipped in "$stage"/wheels/*.whl.zip; do mv "$zipped" "${zipped%.zip}"; done
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$site" "$stage"/wheels/*.whl
   python3 - "$site" "$stage/wheels" <<'EOF'
@@ -169,7 +167,8 @@ site, root = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 checked = 0
 for record in site.glob("*.dist-info/RECORD"):
     for row in csv.reader(record.read_text().splitlines()):
-        if len(row) < 2 or not row[1].startswith("sha256="):
+        # Console scripts (../../bin/...) are written by pip, not copied from the wheel.
+        if len(row) < 2 or not row[1].startswith("sha256=") or row[0].startswith("../"):
             continue
         digest = base64.urlsafe_b64encode(hashlib.sha256((site / row[0]).read_bytes()).digest())
         if row[1] != "sha256=" + digest.rstrip(b"=").decode():
@@ -177,7 +176,7 @@ for record in site.glob("*.dist-info/RECORD"):
         checked += 1
 print(f"{checked} installed files match their wheels' RECORD")
 EOF
-  rm -rf "$stage/wheels"
+  rm -rf "$stage/unpacked" "$stage/wheels" "$stage"/part.*
   touch "$site/.carry-installed"
   PYTHONPATH="$site" python3 -c 'import mujoco, warp, mujoco_warp; print("mujoco", mujoco.__version__, "warp", warp.__version__, "mujoco_warp", mujoco_warp.__version__)'
 }
