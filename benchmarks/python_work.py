@@ -61,11 +61,24 @@ def calls(library: ModuleType) -> dict[str, Callable[[], Any]]:
     grad = wrap(torch.nn.Linear(4, 2), backend="emulate")
     x, td = torch.randn(3, 4), TensorDict(obs=torch.randn(3, 4), batch_size=[3])
     keywords = wrap(TensorDictModule(torch.nn.Linear(4, 2), ["obs"], ["action"]), backend="emulate")
+    # Borrowed outputs, called with the wrapper's own input buffers (in place), by keywords.
+    lent = wrap(
+        TensorDictModule(torch.nn.Linear(4, 2), ["obs"], ["action"]),
+        backend="emulate",
+        outputs="borrowed",
+    )
+    lent_td = wrap(
+        TensorDictModule(torch.nn.Linear(4, 2), ["obs"], ["action"]),
+        backend="emulate",
+        outputs="borrowed",
+    )
     found = {
         "a. a function of one tensor": (lambda: function(x), False),
         "c. a policy, module(td)": (lambda: policy(td), False),
         "c. a policy, module(obs=...)": (lambda: keywords(obs=x), False),
         "c. a function, grad mode": (lambda: grad(x), True),
+        "c. borrowed, in place": (lambda: lent(obs=x), False),
+        "c. borrowed, in place, (td)": (lambda: lent_td(td), False),
     }
     ready = {}
     for name, (call, grad_mode) in found.items():
@@ -77,7 +90,17 @@ def calls(library: ModuleType) -> dict[str, Callable[[], Any]]:
         for _ in range(3):  # a warm-up, the capture, a replay
             run()
         ready[name] = run
+    with torch.no_grad():
+        args, kwargs = lent.input_buffers(obs=x)
+        td_args, td_kwargs = lent_td.input_buffers(td)
+    ready["c. borrowed, in place"] = lambda: _no_grad(lent, args, kwargs)
+    ready["c. borrowed, in place, (td)"] = lambda: _no_grad(lent_td, td_args, td_kwargs)
     return ready
+
+
+def _no_grad(module: Any, args: Any, kwargs: Any) -> Any:
+    with torch.no_grad():
+        return module(*args, **kwargs)
 
 
 def main() -> None:

@@ -136,7 +136,12 @@ def main() -> None:
     device = torch.device("cuda" if cuda else "cpu")
     example = _example()
     ks = [int(k) for k in args.steps.split(",")]
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name() if cuda else "cpu"}
+    meta = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    results: dict[str, Any] = {"meta": meta}
     with torch.no_grad():
         for envs in (int(n) for n in args.envs.split(",")):
             torch.manual_seed(0)
@@ -170,7 +175,7 @@ def main() -> None:
                     issue[name].append(issued * 1e6 / (repeats * k))
                     rates[name].append(repeats * k * envs / (time.perf_counter() - start))
             eager = statistics.median(rates["eager, per step"])
-            print(f"{envs} environments ({results['device']})")
+            print(f"{envs} environments ({meta['device']})")
             for name, each in rates.items():
                 median = statistics.median(each)
                 where = f"  CPU {statistics.median(issue[name]):8.1f} us/step issued"
@@ -180,17 +185,25 @@ def main() -> None:
                     f"  {name:32s} {median:14,.0f} steps/s  x{median / eager:6.2f} eager"
                     f"  (rounds {min(each):,.0f}..{max(each):,.0f}){where}"
                 )
-            results[str(envs)] = {
-                "steps_per_s": rates,
-                "cpu_us_per_step": issue,
-                "gpu_us_per_step": gpu,
-            }
+            results[str(envs)] = medians(
+                {"steps_per_s": rates, "cpu_us_per_step": issue, "gpu_us_per_step": gpu}
+            )
             for collector in closing:
                 collector.shutdown()
     if not cuda:
         print("(on the CPU emulation: a smoke test, not a GPU's timings)")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def medians(measured: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
+    """The rounds of one number of environments, with each variant's median beside them
+    (``"median"``: by measure, then by variant), which the docs quote."""
+    median = {
+        measure: {name: statistics.median(each) for name, each in by_variant.items() if each}
+        for measure, by_variant in measured.items()
+    }
+    return {**measured, "median": median}
 
 
 if __name__ == "__main__":

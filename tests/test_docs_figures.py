@@ -106,6 +106,7 @@ NOT_FIGURES = {
     "runs/2026-11-27-borrowed-call.md": ["16 calls"],
     "runs/2026-11-25-run2.md": ["0.4 s"],
     "runs/2026-11-23.md": ["32 MiB", "2 MiB"],  # cuBLAS's workspace, a pool's segment
+    "gpu-rollouts.md": ["1,024", "4,096"],  # numbers of environments
 }
 # Tables whose numbers are not figures, by their first header cell: the package's layers
 # (architecture.md), the corpus scripts' settings (corpus.md).
