@@ -600,6 +600,11 @@ def forward_backward(device: torch.device) -> Workload:
     w.captures = {
         "cudagraph_td (module)": with_net(lambda net: cudagraph_td.CudaGraphModule(net, warmup=2)),
     }
+    if BASELINE is not None:
+        w.variants[BEFORE] = with_net(lambda net: BASELINE.make_graphed_callables(net, sample))
+        w.variants[f"{BEFORE} (module)"] = with_net(
+            lambda net: BASELINE.CudaGraphModule(net, warmup=2)
+        )
     return w
 
 
@@ -671,6 +676,8 @@ def documented_loop(device: torch.device) -> Workload:
         "cudagraph_td, borrowed": loop(borrowed),
     }
     w.captures = {"cudagraph_td": loop(cudagraph_td.make_graphed_callables)}
+    if BASELINE is not None:
+        w.variants[BEFORE] = loop(BASELINE.make_graphed_callables)
     return w
 
 
@@ -729,17 +736,13 @@ def policy_random_batch(device: torch.device) -> Workload:
 
         return cycling(run)
 
-    def buckets() -> Any:
-        graphed = cudagraph_td.CudaGraphModule(
-            policy, warmup=2, shapes=cudagraph_td.Buckets(BUCKETS)
-        )
+    def buckets(library: Any = cudagraph_td) -> Any:
+        graphed = library.CudaGraphModule(policy, warmup=2, shapes=library.Buckets(BUCKETS))
         graphed.precapture(tds[0])
         return graphed
 
-    def exact() -> Any:
-        return cudagraph_td.CudaGraphModule(
-            policy, warmup=2, shapes=cudagraph_td.Exact(max_graphs=64)
-        )
+    def exact(library: Any = cudagraph_td) -> Any:
+        return library.CudaGraphModule(policy, warmup=2, shapes=library.Exact(max_graphs=64))
 
     def compiled() -> Call:
         return cycling(_marking_steps(torch.compile(policy, mode="reduce-overhead")))
@@ -757,6 +760,9 @@ def policy_random_batch(device: torch.device) -> Workload:
         "compile": compiled,
     }
     w.captures = {"cudagraph_td": lambda: (lambda g: lambda: g(tds[0]))(buckets())}
+    if BASELINE is not None:
+        w.variants[BEFORE] = lambda: cycling(buckets(BASELINE))
+        w.variants[f"{BEFORE} exact"] = lambda: cycling(exact(BASELINE))
     return w
 
 
