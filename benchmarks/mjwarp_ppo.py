@@ -522,6 +522,8 @@ def main() -> None:
                 results["runs"].append(
                     {"mode": mode, "seed": seed, "summary": summary, "iterations": records}
                 )
+                if args.json:  # after every run: a run cut short keeps what it did
+                    pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
                 del run
     finals: dict[str, list[float]] = {}
     rates: dict[str, list[float]] = {}
