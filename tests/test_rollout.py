@@ -145,3 +145,65 @@ def test_a_rollout_in_the_graphs_memory_keeps_the_memory_rule(backend: Backend) 
     graphed(buffers, trajectory_buffers)
     with pytest.raises(RuntimeError, match="overwritten"):
         lent["th"].sum()
+
+
+# A simulator bound to torch as one operator (as MuJoCo Warp's step is in
+# benchmarks/mjwarp_cheetah.py): the state it carries from step to step is its arguments,
+# written in place and declared so. The emulated capture runs the operator (a CUDA capture
+# runs nothing) and undoes the writes that the schema declares; the first replay then starts
+# from the state the capturing call left, as on CUDA.
+@torch.library.custom_op("cudagraph_td_tests::pendulum_step", mutates_args=("th", "thdot"))
+def _pendulum_step(th: torch.Tensor, thdot: torch.Tensor, u: torch.Tensor) -> None:
+    thdot.copy_((thdot + (15.0 * th.sin() + 3.0 * u) * 0.05).clamp(-8.0, 8.0))
+    th.add_(thdot * 0.05)
+
+
+class SimulatedPendulums(Pendulums):
+    """`Pendulums` whose state lives in the simulator (not in the rollout's inputs)."""
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.th = torch.zeros(ENVS, device=device)
+        self.thdot = torch.zeros(ENVS, device=device)
+
+    def start(self) -> TensorDict:
+        th, thdot = self.draw()
+        self.th.copy_(th)
+        self.thdot.copy_(thdot)
+        t = torch.zeros(ENVS, dtype=torch.long, device=self.device)
+        return TensorDict(t=t, batch_size=[ENVS])
+
+    def run(self, state: TensorDict, trajectory: TensorDict) -> TensorDict:
+        t = state["t"]
+        for k in range(STEPS):
+            observation = torch.stack([self.th.cos(), self.th.sin(), self.thdot], -1)
+            u = self.policy(observation).squeeze(-1).clamp(-2.0, 2.0)
+            _pendulum_step(self.th, self.thdot, u)
+            t = t + 1
+            done = t >= HORIZON
+            trajectory[:, k].update_(
+                TensorDict(
+                    observation=observation,
+                    reward=-u.square().unsqueeze(-1),
+                    done=done.unsqueeze(-1),
+                    batch_size=[ENVS],
+                )
+            )
+            new_th, new_thdot = self.draw()
+            self.th.copy_(torch.where(done, new_th, self.th))
+            self.thdot.copy_(torch.where(done, new_thdot, self.thdot))
+            t = torch.where(done, torch.zeros_like(t), t)
+        return TensorDict(t=t, batch_size=[ENVS])
+
+
+@torch.no_grad()
+def test_a_simulator_operator_that_declares_its_state_gives_eager_trajectories(
+    backend: Backend,
+) -> None:
+    env = SimulatedPendulums(backend.device)
+    graphed = backend.wrap(env.run, warmup=2)
+    eager = _trajectories(env.run, env, 6, seed=3)
+    replayed = _trajectories(graphed, env, 6, seed=3)
+    assert [info.replays for info in graphed.graphs()] == [4]
+    for expected, actual in zip(eager, replayed, strict=True):
+        torch.testing.assert_close(actual, expected)
