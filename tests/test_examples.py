@@ -105,6 +105,8 @@ def test_the_python_work_of_a_replay_is_counted(scripts: dict[str, dict[str, Any
         "c. a policy, module(td)",
         "c. a policy, module(obs=...)",
         "c. a function, grad mode",
+        "c. borrowed, in place",
+        "c. borrowed, in place, (td)",
     ]
     assert all(int(row.split()[-1]) > 0 for row in rows)  # frames entered
 
