@@ -46,6 +46,38 @@ def table(results: list[dict[str, Any]], kind: str = "wall") -> str:
     return "\n".join(lines)
 
 
+def before_table(results: list[dict[str, Any]], kind: str = "CPU") -> str:
+    """One row per variant timed beside its version before (``<variant>`` and the same name
+    with ``(before)`` after ``cudagraph_td``): the change of its time over the floor, round
+    by round (both timed in the same round), as the median over the rounds and their range.
+    The floor of a borrowed variant is ``floor, borrowed`` where there is one."""
+    key = "all_us" if kind == "wall" else "all_cpu_us"
+    lines = [
+        f"| workload | variant | {kind} / floor, now | before | change, median | range |",
+        "| --- | --- | ---: | ---: | ---: | --- |",
+    ]
+    for result in results:
+        rounds = result.get(key, {})
+        for before, then in rounds.items():
+            if not before.startswith(BEFORE):
+                continue
+            variant = OURS + before[len(BEFORE) :]
+            floor = FLOOR + ", borrowed" if "borrowed" in variant else FLOOR
+            floor = floor if floor in rounds else FLOOR
+            now = rounds.get(variant)
+            if not now or floor not in rounds:
+                continue
+            base = rounds[floor]
+            change = [(a - b) / f for a, b, f in zip(now, then, base, strict=True)]
+            lines.append(
+                f"| {result['workload']} | {variant} "
+                f"| {statistics.median(a / f for a, f in zip(now, base, strict=True)):.3f} "
+                f"| {statistics.median(b / f for b, f in zip(then, base, strict=True)):.3f} "
+                f"| {statistics.median(change):+.3f} | {min(change):+.3f} .. {max(change):+.3f} |"
+            )
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def _steady_mean(medians: dict[str, float], steady: list[str]) -> float | None:
     """The mean of the steady variants' medians; None unless all of them were timed."""
     if not steady or not all(name in medians for name in steady):
@@ -333,6 +365,20 @@ def markdown(data: dict[str, Any]) -> str:
     for target, met, numbers in targets(data["results"]):
         mark = "not measured" if met is None else ("yes" if met else "**no**")
         lines.append(f"| {target} | {mark} | {numbers} |")
+    compared = before_table(data["results"], "CPU")
+    if compared:
+        lines += [
+            "",
+            "## Against the version before",
+            "",
+            f"The version before is {meta.get('baseline')}, timed in the same rounds. The change "
+            "of each variant's time over the floor, round by round: the median over the "
+            "rounds, and their range. The same for wall time below.",
+            "",
+            compared,
+            "",
+            before_table(data["results"], "wall"),
+        ]
     if any(r.get("steady") for r in data["results"]):
         lines += [
             "",

@@ -309,10 +309,23 @@ def main() -> None:
             continue
         print(f"== {workload.name}", flush=True)
         results.append(measure(workload, args))
+        # Kept as it goes: a run stopped by a time limit keeps the workloads it finished.
+        _write(args, results, captures)
         captures.append(capture_cost(workload))
         print(report.table([results[-1]], "wall"), report.table([results[-1]], "CPU"), sep="\n\n")
         if results[-1]["steady"]:
             print(report.steady_table([results[-1]], "CPU"), flush=True)
+        if workloads.BASELINE is not None:
+            print(report.before_table([results[-1]], "CPU"), flush=True)
+    data = _write(args, results, captures)
+    print(report.markdown(data))
+    print(report.chart(data, pathlib.Path(args.out) / f"{args.name}.png"))
+
+
+def _write(
+    args: argparse.Namespace, results: list[dict[str, Any]], captures: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The results so far, as ``<out>/<name>.json`` and its Markdown report."""
     meta = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -329,8 +342,7 @@ def main() -> None:
     data = {"meta": meta, "results": results, "capture": captures}
     (out / f"{args.name}.json").write_text(json.dumps(data, indent=1))
     (out / f"{args.name}.md").write_text(report.markdown(data))
-    print(report.markdown(data))
-    print(report.chart(data, out / f"{args.name}.png"))
+    return data
 
 
 if __name__ == "__main__":
