@@ -9,6 +9,7 @@
 #   TESTS=0 TORCHRL=0 SOAK=0 LEANRL=1 bash scripts/gpu_check.sh  # LeanRL's loops end to end
 #   TESTS=0 TORCHRL=0 SOAK=0 ROLLOUTS=1 bash scripts/gpu_check.sh  # whole rollouts, steps/s
 #   TESTS=0 TORCHRL=0 SOAK=0 LEANRL_SCRIPTS=1 bash scripts/gpu_check.sh  # LeanRL's own scripts
+#   TESTS=0 TORCHRL=0 SOAK=0 MJW=1 bash scripts/gpu_check.sh  # MuJoCo Warp: check, timings, PPO
 # It installs the wheels that ../shared/gpu/fetch-wheels.sh put in .whl/ (if any), and writes
 # its logs to $OUT (or ./gpu-logs when OUT is unset); test-pairs.log pairs each test body's
 # outcome on the emulation with its outcome on CUDA (scripts/test_pairs.py). With wheels in
@@ -69,6 +70,25 @@ if [ "${ROLLOUTS:-0}" = 1 ] && compgen -G ".whl-rl/torchrl-*.whl" > /dev/null; t
     --target /tmp/site-rl .whl-rl/*.whl || exit 1
   PYTHONPATH="$PWD/src:/tmp/site-rl" python3 benchmarks/rollouts.py ${ROLLOUTS_ARGS:-} \
     --json "$out/rollouts.json" 2>&1 | tee "$out/rollouts.log" || status=1
+fi
+if [ "${MJW:-0}" = 1 ]; then
+  # MuJoCo Warp's HalfCheetah (benchmarks/mjwarp_cheetah.py, benchmarks/mjwarp_ppo.py): its
+  # wheels joined from the parts that earlier calls to this warm machine carried
+  # (scripts/carry_parts.sh: call 1 carries .carry1 and runs `carry_parts.sh status`, the
+  # call with the last part runs this), then the graphed-against-eager check, the steps per
+  # second at MJW_ENVS worlds, and PPO graphed against eager (MJW_PPO_ARGS).
+  bash scripts/carry_parts.sh join || exit 1
+  export WARP_CACHE_PATH=${WARP_CACHE_PATH:-/tmp/warp-cache-mjw}
+  # shellcheck disable=SC2086  # the settings' words are its arguments
+  PYTHONPATH="$PYTHONPATH:/tmp/site-mjw" python3 benchmarks/mjwarp_cheetah.py --check --skip-c \
+    --check-deterministic off --envs "${MJW_ENVS:-1024,4096}" --json "$out/mjw.json" 2>&1 \
+    | grep -v '^Module ' | tee "$out/mjw.log" || status=1
+  if [ "${MJW_PPO:-1}" = 1 ]; then
+    # shellcheck disable=SC2086
+    PYTHONPATH="$PYTHONPATH:/tmp/site-mjw" python3 benchmarks/mjwarp_ppo.py \
+      ${MJW_PPO_ARGS:---seeds 0,1,2 --mode graphed,eager} --json "$out/mjw_ppo.json" 2>&1 \
+      | grep -v '^Module ' | tee "$out/mjw_ppo.log" || status=1
+  fi
 fi
 if [ -f "$out/corpus.jsonl" ]; then
   python3 scripts/corpus_table.py "$out/corpus.jsonl" > "$out/corpus-table.md" || status=1
