@@ -127,17 +127,8 @@ class GraphEntry:
         self.padded_calls = self.padded_call_rows = 0
         self.rows: dict[Hashable, GraphEntry] = {}  # a bucket's rows, by the calls' key
         self.batch = (1, 1)  # the rows of its calls, and of its graph (a bucket's rows)
-        self._empty_routes()
-
-    def _empty_routes(self) -> None:
-        self._by_position = _NO_ROUTE
-        self._by_keywords = (_NO_ROUTE, _NO_ROUTE)
-        self._fused: Callable[[Args], Any] | None = None
-        self._names: list[str] | None = None
-        self._one: tuple[Any, ...] | None = None
-        self._one_launch: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self._state_holds: Callable[[], bool] | None = None
         self._expected: list[Any] = []
+        self._empty_routes()
 
     # The slow path -------------------------------------------------------------------------
 
@@ -221,10 +212,11 @@ class GraphEntry:
 
     def fill(self, captured: Captured) -> None:
         """Hold ``captured``, and the routes, checks and launch that replay it."""
-        self._empty_routes()
         self.captured = captured
         by_keywords = by_position = _NO_ROUTE
         by_out = None
+        self._names: list[str] | None = None
+        self._fused: Callable[[Args], Any] | None = None
         one = captured.one_tensor
         expected = self._expected = captured.signature.expected
         # The state it reads (see `_state.state`): a replaced parameter is a miss, and a recapture.
@@ -288,6 +280,14 @@ class GraphEntry:
         `_capture.captured.Captured.end_loans`)."""
         if self.captured is not None:
             self.captured.end_loans()
+
+    def _empty_routes(self) -> None:
+        self._by_position = _NO_ROUTE
+        self._by_keywords = (_NO_ROUTE, _NO_ROUTE)
+        self._fused = None
+        self._names = None
+        self._one = self._one_launch = self._state_holds = None
+        self._expected = []
 
     # The replay path -----------------------------------------------------------------------
 
