@@ -9,7 +9,8 @@
 #   TESTS=0 TORCHRL=0 SOAK=0 LEANRL=1 bash scripts/gpu_check.sh  # LeanRL's loops end to end
 #   TESTS=0 TORCHRL=0 SOAK=0 ROLLOUTS=1 bash scripts/gpu_check.sh  # whole rollouts, steps/s
 #   TESTS=0 TORCHRL=0 SOAK=0 LEANRL_SCRIPTS=1 bash scripts/gpu_check.sh  # LeanRL's own scripts
-#   TESTS=0 TORCHRL=0 SOAK=0 MJW=1 bash scripts/gpu_check.sh  # MuJoCo Warp: check, timings, PPO
+#   TESTS=0 TORCHRL=0 SOAK=0 MJW=1 bash scripts/gpu_check.sh  # MuJoCo Warp: check, timings
+#   TESTS=0 TORCHRL=0 SOAK=0 MJW=1 MJW_BENCH=0 MJW_PPO=1 bash scripts/gpu_check.sh  # its PPO
 # It installs the wheels that ../shared/gpu/fetch-wheels.sh put in .whl/ (if any), and writes
 # its logs to $OUT (or ./gpu-logs when OUT is unset); test-pairs.log pairs each test body's
 # outcome on the emulation with its outcome on CUDA (scripts/test_pairs.py). With wheels in
@@ -75,16 +76,20 @@ if [ "${MJW:-0}" = 1 ]; then
   # MuJoCo Warp's HalfCheetah (benchmarks/mjwarp_cheetah.py, benchmarks/mjwarp_ppo.py): its
   # wheels joined from the parts that earlier calls to this warm machine carried
   # (scripts/carry_parts.sh: call 1 carries .carry1 and runs `carry_parts.sh status`, the
-  # call with the last part runs this), then the graphed-against-eager check, the steps per
-  # second at MJW_ENVS worlds, and PPO graphed against eager (MJW_PPO_ARGS).
+  # call with the last part runs this). MJW_BENCH=1 (the default): the graphed-against-eager
+  # check and the steps per second at MJW_ENVS worlds (the eager per-step loop syncs the host
+  # at each solver iteration: minutes). MJW_PPO=1: PPO graphed against eager (MJW_PPO_ARGS),
+  # best in a call of its own (first `--seeds 0 --total-steps 327680` for the time an
+  # iteration takes, then the settings that fit a call).
   bash scripts/carry_parts.sh join || exit 1
   export WARP_CACHE_PATH=${WARP_CACHE_PATH:-/tmp/warp-cache-mjw}
-  # shellcheck disable=SC2086  # the settings' words are its arguments
-  PYTHONPATH="$PYTHONPATH:/tmp/site-mjw" python3 benchmarks/mjwarp_cheetah.py --check --skip-c \
-    --check-deterministic off --envs "${MJW_ENVS:-1024,4096}" --json "$out/mjw.json" 2>&1 \
-    | grep -v '^Module ' | tee "$out/mjw.log" || status=1
-  if [ "${MJW_PPO:-1}" = 1 ]; then
-    # shellcheck disable=SC2086
+  if [ "${MJW_BENCH:-1}" = 1 ]; then
+    PYTHONPATH="$PYTHONPATH:/tmp/site-mjw" python3 benchmarks/mjwarp_cheetah.py --check \
+      --skip-c --check-deterministic off --envs "${MJW_ENVS:-1024,4096}" \
+      --json "$out/mjw.json" 2>&1 | grep -v '^Module ' | tee "$out/mjw.log" || status=1
+  fi
+  if [ "${MJW_PPO:-0}" = 1 ]; then
+    # shellcheck disable=SC2086  # the settings' words are its arguments
     PYTHONPATH="$PYTHONPATH:/tmp/site-mjw" python3 benchmarks/mjwarp_ppo.py \
       ${MJW_PPO_ARGS:---seeds 0,1,2 --mode graphed,eager} --json "$out/mjw_ppo.json" 2>&1 \
       | grep -v '^Module ' | tee "$out/mjw_ppo.log" || status=1
