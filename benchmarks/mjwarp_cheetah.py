@@ -52,7 +52,7 @@ import functools
 import json
 import os
 import pathlib
-import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -68,7 +68,11 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
 
-from cudagraph_td import CudaGraphModule
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script: benchmarks.rollouts beside it
+
+from benchmarks.rollouts import time_variants  # noqa: E402
+from cudagraph_td import CudaGraphModule  # noqa: E402
 
 MODEL = pathlib.Path(__file__).parent / "assets" / "half_cheetah.xml"
 
@@ -492,7 +496,8 @@ def variants(envs: int, steps: list[int], device: torch.device, **env: Any) -> d
 
 
 def bench(args: argparse.Namespace, device: torch.device, env: dict[str, Any]) -> dict[str, Any]:
-    cuda = device.type == "cuda"
+    """Environment steps per second of each variant, at each number of worlds (the rounds,
+    their medians and where the time goes: `benchmarks.rollouts.time_variants`)."""
     ks = [int(k) for k in args.steps.split(",")]
     results: dict[str, Any] = {}
     for envs in (int(n) for n in args.envs.split(",")):
@@ -504,41 +509,9 @@ def bench(args: argparse.Namespace, device: torch.device, env: dict[str, Any]) -
                 call()
         _synchronize(device)
         setup = time.perf_counter() - start
-        rates: dict[str, list[float]] = {name: [] for name in found}
-        issue: dict[str, list[float]] = {name: [] for name in found}
-        gpu: dict[str, list[float]] = {name: [] for name in found}
-        for _ in range(args.rounds):
-            for name, (call, k) in found.items():
-                repeats = max(1, args.calls * ks[-1] // k)  # as many steps for each variant
-                _synchronize(device)
-                if cuda:
-                    begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-                    begin.record()
-                start = time.perf_counter()
-                for _ in range(repeats):
-                    call()
-                issued = time.perf_counter() - start
-                if cuda:
-                    end.record()
-                    torch.cuda.synchronize()
-                    gpu[name].append(begin.elapsed_time(end) * 1e3 / (repeats * k))
-                issue[name].append(issued * 1e6 / (repeats * k))
-                rates[name].append(repeats * k * envs / (time.perf_counter() - start))
-        eager = statistics.median(rates["eager, per step"])
         print(f"{envs} worlds (warm-ups and captures {setup:.1f} s)")
-        for name, each in rates.items():
-            median = statistics.median(each)
-            where = f"  CPU {statistics.median(issue[name]):9.1f} us/step issued"
-            if gpu[name]:
-                where += f", GPU {statistics.median(gpu[name]):9.1f} us/step"
-            print(
-                f"  {name:28s} {median:14,.0f} steps/s  x{median / eager:6.2f} eager"
-                f"  (rounds {min(each):,.0f}..{max(each):,.0f}){where}"
-            )
         results[str(envs)] = {
-            "steps_per_s": rates,
-            "cpu_us_per_step": issue,
-            "gpu_us_per_step": gpu,
+            **time_variants(found, envs, ks, args.rounds, args.calls),
             "setup_s": setup,
         }
     return results

@@ -150,50 +150,63 @@ def main() -> None:
             for call, _ in found.values():  # warm-ups and captures
                 for _ in range(3):
                     call()
-            rates: dict[str, list[float]] = {name: [] for name in found}
-            # Where the time goes: the CPU's time to issue a step, and the GPU's time a step
-            # (CUDA events around the same calls); a graph's step is GPU-bound when the
-            # first is below the second.
-            issue: dict[str, list[float]] = {name: [] for name in found}
-            gpu: dict[str, list[float]] = {name: [] for name in found}
-            for _ in range(args.rounds):
-                for name, (call, k) in found.items():
-                    # The same number of environment steps for every variant.
-                    repeats = max(1, args.calls * ks[-1] // k)
-                    if cuda:
-                        torch.cuda.synchronize()
-                        begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-                        begin.record()
-                    start = time.perf_counter()
-                    for _ in range(repeats):
-                        call()
-                    issued = time.perf_counter() - start
-                    if cuda:
-                        end.record()
-                        torch.cuda.synchronize()
-                        gpu[name].append(begin.elapsed_time(end) * 1e3 / (repeats * k))
-                    issue[name].append(issued * 1e6 / (repeats * k))
-                    rates[name].append(repeats * k * envs / (time.perf_counter() - start))
-            eager = statistics.median(rates["eager, per step"])
             print(f"{envs} environments ({meta['device']})")
-            for name, each in rates.items():
-                median = statistics.median(each)
-                where = f"  CPU {statistics.median(issue[name]):8.1f} us/step issued"
-                if gpu[name]:
-                    where += f", GPU {statistics.median(gpu[name]):8.1f} us/step"
-                print(
-                    f"  {name:32s} {median:14,.0f} steps/s  x{median / eager:6.2f} eager"
-                    f"  (rounds {min(each):,.0f}..{max(each):,.0f}){where}"
-                )
-            results[str(envs)] = medians(
-                {"steps_per_s": rates, "cpu_us_per_step": issue, "gpu_us_per_step": gpu}
-            )
+            results[str(envs)] = time_variants(found, envs, ks, args.rounds, args.calls)
             for collector in closing:
                 collector.shutdown()
     if not cuda:
         print("(on the CPU emulation: a smoke test, not a GPU's timings)")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def time_variants(
+    found: dict[str, tuple[Callable[[], Any], int]],
+    envs: int,
+    ks: list[int],
+    rounds: int,
+    calls: int,
+) -> dict[str, Any]:
+    """Time each variant (its call: K steps of every environment; its K) in ``rounds``
+    rounds that interleave them, each timing ``calls`` rollouts of the largest K (as many
+    environment steps for every variant); print each variant's median steps per second, its
+    ratio to ``"eager, per step"`` and where the time goes, and return the rounds with their
+    medians (see `medians`)."""
+    cuda = torch.cuda.is_available()
+    rates: dict[str, list[float]] = {name: [] for name in found}
+    # Where the time goes: the CPU's time to issue a step, and the GPU's time a step (CUDA
+    # events around the same calls); a graph's step is GPU-bound when the first is below
+    # the second.
+    issue: dict[str, list[float]] = {name: [] for name in found}
+    gpu: dict[str, list[float]] = {name: [] for name in found}
+    for _ in range(rounds):
+        for name, (call, k) in found.items():
+            repeats = max(1, calls * ks[-1] // k)
+            if cuda:
+                torch.cuda.synchronize()
+                begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                begin.record()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                call()
+            issued = time.perf_counter() - start
+            if cuda:
+                end.record()
+                torch.cuda.synchronize()
+                gpu[name].append(begin.elapsed_time(end) * 1e3 / (repeats * k))
+            issue[name].append(issued * 1e6 / (repeats * k))
+            rates[name].append(repeats * k * envs / (time.perf_counter() - start))
+    eager = statistics.median(rates["eager, per step"])
+    for name, each in rates.items():
+        median = statistics.median(each)
+        where = f"  CPU {statistics.median(issue[name]):8.1f} us/step issued"
+        if gpu[name]:
+            where += f", GPU {statistics.median(gpu[name]):8.1f} us/step"
+        print(
+            f"  {name:32s} {median:14,.0f} steps/s  x{median / eager:6.2f} eager"
+            f"  (rounds {min(each):,.0f}..{max(each):,.0f}){where}"
+        )
+    return medians({"steps_per_s": rates, "cpu_us_per_step": issue, "gpu_us_per_step": gpu})
 
 
 def medians(measured: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
