@@ -72,6 +72,12 @@ def calls(library: ModuleType) -> dict[str, Callable[[], Any]]:
         backend="emulate",
         outputs="borrowed",
     )
+    # Buckets of rows (f): a call of 3 rows replays the 4-row graph on its first rows.
+    buckets = wrap(
+        TensorDictModule(torch.nn.Linear(4, 2), ["obs"], ["action"]),
+        backend="emulate",
+        shapes=library.Buckets([4, 8]),  # type: ignore[attr-defined]
+    )
     found = {
         "a. a function of one tensor": (lambda: function(x), False),
         "c. a policy, module(td)": (lambda: policy(td), False),
@@ -79,6 +85,7 @@ def calls(library: ModuleType) -> dict[str, Callable[[], Any]]:
         "c. a function, grad mode": (lambda: grad(x), True),
         "c. borrowed, in place": (lambda: lent(obs=x), False),
         "c. borrowed, in place, (td)": (lambda: lent_td(td), False),
+        "f. buckets, 3 rows of 4": (lambda: buckets(td), False),
     }
     ready = {}
     for name, (call, grad_mode) in found.items():

@@ -37,12 +37,11 @@ def mode_reader(module: Any) -> Callable[[], Mode]:
 def mode_lookup(
     module: Any, table: dict[Any, Any]
 ) -> tuple[Callable[[], Mode], Callable[[tuple[Any, ...], dict[str, Any]], Any]]:
-    """The read of the mode of a call of ``module`` now, and a lookup of ``table`` by the
-    mode alone, as one function of a call: the graph table's ``find`` where a call's key is
-    its mode's (one graph per mode, no static arguments), one call fewer on the replay path
-    than the read and a lookup. Both read the mode with the same expression
-    (`tests/test_modes.py` checks that they agree in every mode); the key is a plain tuple
-    of a `GraphKey`'s fields (see `_call.table`)."""
+    """The read of the mode of a call of ``module`` now, and a lookup of ``table`` (keyed by
+    the mode alone) as one function of a call: the graph table's ``find`` where a call's key
+    is its mode's (one graph per mode, no static arguments), one call fewer on the replay
+    path than the read and a lookup. Both read the mode with the same expression
+    (`tests/test_modes.py` checks that they agree in every mode)."""
     # The reads bound to the closures' own names: one lookup each at a call, not a global's
     # and a module attribute's.
     interaction = interaction_type
@@ -66,7 +65,7 @@ def mode_lookup(
             getattr(module, "training", None),
             autocast_state() if autocast() else None,  # None when off everywhere
         )
-        return get((mode, None, (), None), ())
+        return get(mode, ())
 
     return read, find
 

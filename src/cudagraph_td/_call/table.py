@@ -47,11 +47,15 @@ class GraphTable:
         self._by_shapes = by_shapes
         self._static = static
         self._entries: dict[GraphKey, tuple[GraphEntry, ...]] = {}
+        # Where a call's key is its mode's (one graph per mode, no static arguments), the same
+        # entries by the mode alone: a bare mode hashes faster than the key that nests it.
+        by_mode: dict[Mode, tuple[GraphEntry, ...]] = {}
+        self._by_mode = by_mode if not by_shapes and static is None else None
         # The call's mode, read at every call; and where the key is the mode's, `find` reads
-        # it alone: a closure over the table's dict, not a method bound to the table, which
-        # would make a reference cycle that only the garbage collector frees.
-        self._mode, find = mode_lookup(module, self._entries)
-        if not by_shapes and static is None:
+        # it and looks up `_by_mode`: a closure over that dict, not a method bound to the
+        # table, which would make a reference cycle that only the garbage collector frees.
+        self._mode, find = mode_lookup(module, by_mode)
+        if self._by_mode is not None:
             self.find = find  # type: ignore[method-assign, assignment]
 
     def key(self, args: Args, kwargs: Kwargs, mode: Mode | None = None) -> GraphKey:
@@ -80,10 +84,14 @@ class GraphTable:
         if known and known[0] is entry:
             return
         rest = tuple(e for e in known if e is not entry)
-        self._entries[key] = (entry, *rest)[:ENTRIES_PER_KEY]
+        entries = self._entries[key] = (entry, *rest)[:ENTRIES_PER_KEY]
+        if self._by_mode is not None:  # a key of a mode alone: (mode, None, (), None)
+            self._by_mode[key[0]] = entries  # type: ignore[index]
 
     def clear(self) -> None:
         self._entries.clear()
+        if self._by_mode is not None:
+            self._by_mode.clear()
 
     def entries(self) -> list[GraphEntry]:
         """Every entry in the table, once each (for introspection and tests)."""
