@@ -398,3 +398,35 @@ def test_graphs_counts_the_replays_of_the_current_capture(backend: Backend) -> N
                 x = backend.randn(1, 2)
                 torch.testing.assert_close(graphed(x), net(x))
     assert [info.replays for info in graphed.graphs()] == [3]
+
+
+def test_the_replay_paths_lookup_finds_the_key_the_slow_path_filed() -> None:
+    # The table's `find` reads a call's mode and shapes in one closure (`_call.modes`); the
+    # slow path files entries under `GraphTable.key`. Every form of call must meet its own
+    # key, and no other.
+    from cudagraph_td._call.table import GraphTable
+
+    module = nn.Linear(4, 3)
+    table = GraphTable(module, by_shapes=True, static=None)
+    x, y = torch.randn(2, 4), torch.randn(5, 4)
+    td = TensorDict(obs=torch.randn(3, 4), batch_size=[3])
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+        ((x,), {}),
+        ((y,), {}),
+        ((td,), {}),
+        ((x, 3), {}),
+        ((), {"obs": x}),
+        ((), {"obs": y}),
+        ((x,), {"other": y, "flag": True}),
+    ]
+    filed = {}
+    for i, (args, kwargs) in enumerate(calls):
+        key = table.key(args, kwargs)
+        filed[key] = f"entry {i}"
+        table.add(key, filed[key])  # type: ignore[arg-type]
+    for i, (args, kwargs) in enumerate(calls):
+        assert table.find(args, kwargs) == (f"entry {i}",)
+    with torch.no_grad():  # another mode: another key
+        assert table.find((x,), {}) == ()
+    assert table.find((torch.randn(7, 4),), {}) == ()  # a shape never seen
+    assert table.find(([1],), {"obs": x}) == ()

@@ -12,7 +12,6 @@ what the library relies on). "Checked" below means: with torch 2.11 (the GPU mac
 from __future__ import annotations
 
 import contextlib
-import functools
 import operator
 import sys
 import threading
@@ -312,16 +311,15 @@ def td_get(td: Any, key: Any) -> Any:
     return td._get_str(key, None)
 
 
-td_set: Callable[[Any, Any, Any], None] = functools.partial(
-    TensorDict._set_str, validated=True, inplace=False
-)
-"""Set the entry of a ``TensorDict`` (the exact type: the callers check it) at a string key,
-unchecked (``_set_str(key, value, validated=True, inplace=False)``; a locked TensorDict
-still refuses it): for an entry whose batch size and device the caller knows to be the
-TensorDict's (a TensorDict rebuilt from the old entry; a graph's output of the captured
-shape). A partial of the method, with no Python frame of its own: the one-key TensorDict
-route sets its output with it at every replay. Checked; if gone: none (``td[key] = value``
-would do, and check the entry again)."""
+def td_set(td: Any, key: Any, value: Any) -> None:
+    """Set the entry of a ``TensorDict`` (the exact type: the callers check it) at a string
+    key, unchecked (``_set_str(key, value, validated=True, inplace=False)``; a locked
+    TensorDict still refuses it): for an entry whose batch size and device the caller knows
+    to be the TensorDict's (a TensorDict rebuilt from the old entry; a graph's output of the
+    captured shape). A function, not a ``functools.partial`` of the method: a partial with
+    keywords merges them into a new dict at every call (120 ns more a call, measured). Checked;
+    if gone: none (``td[key] = value`` would do, and check the entry again)."""
+    td._set_str(key, value, validated=True, inplace=False)
 
 
 def tensorclass_parts(tc: Any) -> tuple[Any, dict[str, Any]]:

@@ -35,13 +35,16 @@ def mode_reader(module: Any) -> Callable[[], Mode]:
 
 
 def mode_lookup(
-    module: Any, table: dict[Any, Any]
+    module: Any, table: dict[Any, Any], by_shapes: bool = False
 ) -> tuple[Callable[[], Mode], Callable[[tuple[Any, ...], dict[str, Any]], Any]]:
-    """The read of the mode of a call of ``module`` now, and a lookup of ``table`` (keyed by
-    the mode alone) as one function of a call: the graph table's ``find`` where a call's key
-    is its mode's (one graph per mode, no static arguments), one call fewer on the replay
-    path than the read and a lookup. Both read the mode with the same expression
-    (`tests/test_modes.py` checks that they agree in every mode)."""
+    """The read of the mode of a call of ``module`` now, and a lookup of ``table`` as one
+    function of a call: the graph table's ``find`` where a call's key is read without its
+    static arguments (there are none), two calls fewer on the replay path than the read, the
+    key and a lookup. ``table`` is keyed by the mode alone (one graph per mode), or with
+    ``by_shapes`` by a `GraphKey` of the mode and the call's shapes (``shapes="exact"`` and
+    ``"buckets"``, as `_call.table.GraphTable.key` makes it). Both read the mode with the
+    same expression, and the shapes as the table does (`tests/test_modes.py` checks that
+    they agree in every mode, `tests/test_table.py` on calls of every form)."""
     # The reads bound to the closures' own names: one lookup each at a call, not a global's
     # and a module attribute's.
     interaction = interaction_type
@@ -67,7 +70,23 @@ def mode_lookup(
         )
         return get(mode, ())
 
-    return read, find
+    def find_by_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        mode = (
+            interaction(),
+            grad(),
+            getattr(module, "training", None),
+            autocast_state() if autocast() else None,  # None when off everywhere
+        )
+        # The shapes of its arguments, by position then by keyword (None for one without).
+        listed = [getattr(a, "shape", None) for a in args]
+        if kwargs:
+            listed.extend((name, getattr(v, "shape", None)) for name, v in kwargs.items())
+        try:
+            return get((mode, None, (), tuple(listed)), ())
+        except TypeError:  # a shape that does not hash: a key never seen
+            return ()
+
+    return read, find_by_shapes if by_shapes else find
 
 
 def current_mode(module: Any) -> Mode:

@@ -51,11 +51,12 @@ class GraphTable:
         # entries by the mode alone: a bare mode hashes faster than the key that nests it.
         by_mode: dict[Mode, tuple[GraphEntry, ...]] = {}
         self._by_mode = by_mode if not by_shapes and static is None else None
-        # The call's mode, read at every call; and where the key is the mode's, `find` reads
-        # it and looks up `_by_mode`: a closure over that dict, not a method bound to the
-        # table, which would make a reference cycle that only the garbage collector frees.
-        self._mode, find = mode_lookup(module, by_mode)
-        if self._by_mode is not None:
+        # The call's mode, read at every call; and without static arguments, `find` reads
+        # the call's key and looks it up in one closure (in `_by_mode` where the key is the
+        # mode's): a closure over the dict, not a method bound to the table, which would make
+        # a reference cycle that only the garbage collector frees.
+        self._mode, find = mode_lookup(module, self._entries if by_shapes else by_mode, by_shapes)
+        if static is None:
             self.find = find  # type: ignore[method-assign, assignment]
 
     def key(self, args: Args, kwargs: Kwargs, mode: Mode | None = None) -> GraphKey:
@@ -86,7 +87,7 @@ class GraphTable:
         rest = tuple(e for e in known if e is not entry)
         entries = self._entries[key] = (entry, *rest)[:ENTRIES_PER_KEY]
         if self._by_mode is not None:  # a key of a mode alone: (mode, None, (), None)
-            self._by_mode[key[0]] = entries  # type: ignore[index]
+            self._by_mode[key[0]] = entries
 
     def clear(self) -> None:
         self._entries.clear()

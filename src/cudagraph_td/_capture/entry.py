@@ -217,7 +217,7 @@ class GraphEntry:
         by_out = None
         self._names: list[str] | None = None
         self._fused: Callable[[Args], Any] | None = None
-        one = captured.one_tensor
+        one = captured.one_tensor_launch
         expected = self._expected = captured.signature.expected
         # The state it reads (see `_state.state`): a replaced parameter is a miss, and a recapture.
         holds = self._state_holds = captured.state.fresh if captured.state is not None else None
@@ -228,7 +228,7 @@ class GraphEntry:
                     writer,  # type: ignore[arg-type]
                     expected[0],
                     holds,
-                    one.launch,
+                    one,
                 ).replay
             # A result that is the first output itself needs no call: the replay returns it.
             route = (reader.read, None if writer.returns_first else writer.write)
@@ -247,7 +247,7 @@ class GraphEntry:
         # One tensor in: its metadata compared without a list of one element.
         self._one = expected[0] if len(expected) == 1 else None
         # A plain graph with one tensor in and one out: launched in one call.
-        self._one_launch = one.launch if one is not None else None
+        self._one_launch = one
 
     def fill_rows(self, key: Hashable, rows: Captured, batch: tuple[int, int]) -> GraphEntry:
         """The entry of this bucket's graph replayed on fewer rows (``rows``, views of its
