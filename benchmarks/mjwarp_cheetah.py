@@ -48,6 +48,7 @@ Needs ``mujoco-warp`` (4.0.0), ``warp-lang`` and ``mujoco``, which the library d
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import json
 import os
@@ -552,7 +553,12 @@ def main() -> None:
     device = torch.device("cuda" if cuda else "cpu")
     env = {"conditional": not args.no_conditional, "iterations": args.iterations}
     results: dict[str, Any] = {
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        # As the docs' figures read a result file (scripts/mkdocs_figures.py).
+        "meta": {
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "torch": torch.__version__,
+            "date": datetime.date.today().isoformat(),
+        },
         "versions": {
             "torch": torch.__version__,
             "warp": wp.__version__,
