@@ -78,6 +78,40 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+# torch's words when a random op runs outside a graph while the CUDA generator is still
+# marked as capturing: a capture that ended abnormally (torch skips the generator's epilogue
+# when ending an invalidated capture raises) left it so.
+_MARKED_GENERATOR = "Offset increment outside graph capture"
+
+
+@pytest.fixture(autouse=True)
+def _cuda_left_as_found() -> Iterator[None]:
+    """Each test leaves CUDA as it found it: no stream capturing, no fault pending, the CUDA
+    generator not marked as capturing. Checked after each test that used CUDA, so that the
+    test that left it so fails, not the tests after it (a fault is sticky: every later CUDA
+    call fails; a marked generator fails every later random op outside a graph, and is
+    cleared here for them)."""
+    yield
+    if not HAS_CUDA or not torch.cuda.is_initialized():
+        return
+    problems = []
+    if torch.cuda.is_current_stream_capturing():
+        problems.append("left the current stream capturing")
+    torch.cuda.synchronize()  # a fault of this test's kernels raises here, in its teardown
+    try:
+        torch.randn(1, device="cuda")
+    except RuntimeError as err:
+        if _MARKED_GENERATOR not in str(err):
+            raise
+        problems.append("left the CUDA generator marked as capturing")
+        with torch.cuda.stream(torch.cuda.Stream()):  # a capture that ends well clears it
+            from cudagraph_td._capture.backend import _one_node_graph
+
+            _one_node_graph(torch.device("cuda", torch.cuda.current_device()))
+    if problems:
+        pytest.fail(f"the test {' and '.join(problems)}", pytrace=False)
+
+
 @pytest.fixture(autouse=True)
 def _no_backend_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     # Each test picks its backends itself: a CUDAGRAPH_TD_BACKEND of the shell that runs the
