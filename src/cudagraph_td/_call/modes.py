@@ -46,37 +46,19 @@ def mode_lookup(
     same expression, and the shapes as the table does (`tests/test_modes.py` checks that
     they agree in every mode, `tests/test_table.py` on calls of every form)."""
     # The reads bound to the closures' own names: one lookup each at a call, not a global's
-    # and a module attribute's.
-    interaction = interaction_type
-    grad = torch.is_grad_enabled
-    autocast = any_autocast_enabled
-    autocast_state = _autocast_state
-    get = table.get
+    # and a module attribute's. The autocast part is None when autocast is off everywhere.
+    interaction, grad = interaction_type, torch.is_grad_enabled
+    on, cast, get = any_autocast_enabled, _autocast_state, table.get
 
     def read() -> Mode:
-        return (
-            interaction(),
-            grad(),
-            getattr(module, "training", None),
-            autocast_state() if autocast() else None,  # None when off everywhere
-        )
+        return (interaction(), grad(), getattr(module, "training", None), cast() if on() else None)
 
     def find(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        mode = (
-            interaction(),
-            grad(),
-            getattr(module, "training", None),
-            autocast_state() if autocast() else None,  # None when off everywhere
-        )
+        mode = (interaction(), grad(), getattr(module, "training", None), cast() if on() else None)
         return get(mode, ())
 
     def find_by_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        mode = (
-            interaction(),
-            grad(),
-            getattr(module, "training", None),
-            autocast_state() if autocast() else None,  # None when off everywhere
-        )
+        mode = (interaction(), grad(), getattr(module, "training", None), cast() if on() else None)
         # The shapes of its arguments, by position then by keyword (None for one without).
         listed = [getattr(a, "shape", None) for a in args]
         if kwargs:
