@@ -244,6 +244,22 @@ def end_allocate_to_pool(device: torch.device, pool: Any) -> None:
         end(device.index, pool)
 
 
+def end_broken_capture(device: torch.device, pool: Any) -> None:
+    """Undo what torch leaves of a capture into ``pool`` whose ``capture_end`` raised (the
+    code inside invalidated it, a host sync say): torch raises before the end of its own
+    bookkeeping. The allocator's routing of the stream into the pool is ended
+    (`end_allocate_to_pool`), and the CUDA generator's mark as capturing, which fails the
+    next random op outside a graph ("Offset increment outside graph capture encountered
+    unexpectedly"), is cleared by a capture of one kernel on the current stream that ends
+    well. Checked on CUDA by every test's teardown (``tests/conftest.py``)."""
+    end_allocate_to_pool(device, pool)
+    scratch = torch.empty(1, device=device)
+    graph = torch.cuda.CUDAGraph()
+    graph.capture_begin()
+    scratch.zero_()  # a graph must hold a node for capture_end to accept it
+    graph.capture_end()
+
+
 def distributions_validate_args() -> bool:
     """Whether ``torch.distributions`` validates arguments by default.
 

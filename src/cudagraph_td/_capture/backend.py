@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 
 from .. import _compat
-from .._compat import any_autocast_enabled, distributions_validate_args, end_allocate_to_pool
+from .._compat import any_autocast_enabled, distributions_validate_args, end_broken_capture
 from .._emulation import host_calls as _host_calls
 from .._emulation import lent as _lent
 from .._emulation import recording as _recording
@@ -288,11 +288,8 @@ class CudaBackend:
             # again; the caller raises the first error, which says what went wrong. torch
             # then skips the end of its own bookkeeping: the allocator still routes this
             # stream's allocations to the graph's pool (which the wrapper's next capture
-            # uses), and the CUDA generator stays marked as capturing, so that the next
-            # random op outside a graph fails. Both are undone here; a capture that ends
-            # well clears the generator's mark on the same generator state.
-            end_allocate_to_pool(self.device, pool)
-            _one_node_graph(self.device)  # clears the generator's mark
+            # uses), and the CUDA generator stays marked as capturing. Both undone here.
+            end_broken_capture(self.device, pool)
         if torch.cuda.is_current_stream_capturing():  # pragma: no cover - driver failure
             raise RuntimeError("cudagraph_td could not end a failed capture")
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .._compat import clear_cublas_workspaces, end_allocate_to_pool, pool_blocks, raw_stream
+from .._compat import clear_cublas_workspaces, end_broken_capture, pool_blocks, raw_stream
 
 REPLAY_LOCK = threading.RLock()
 """The lock of every wrapper's call (re-entrant: a function may call another wrapper)."""
@@ -195,8 +195,8 @@ class Workspace:
         workspaces hold it)."""
         try:
             graph.capture_end()
-        except RuntimeError:
-            end_allocate_to_pool(self.device, self.pool)
+        except RuntimeError:  # the priming broke the capture: torch's bookkeeping undone
+            end_broken_capture(self.device, self.pool)
         self._primings.append(graph)
         self.pool = torch.cuda.graph_pool_handle()
         self._owned.clear()
