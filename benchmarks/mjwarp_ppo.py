@@ -415,6 +415,94 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.fmean(values):9.1f} (seeds {min(values):.1f} .. {max(values):.1f})"
 
 
+def report(
+    results: dict[str, Any], modes: list[str], seeds: list[int], final_fraction: float
+) -> None:
+    """Print, and add to ``results["comparison"]``, each mode's final return across the
+    seeds, whether each mode's mean lies within the other's seeds, where the modes part, and
+    the steps per second against eager and against LeanRL's SAC."""
+    finals: dict[str, list[float]] = {}
+    rates: dict[str, list[float]] = {}
+    for r in results["runs"]:
+        if r["summary"]["final_return"] is not None:
+            finals.setdefault(r["mode"], []).append(r["summary"]["final_return"])
+        rates.setdefault(r["mode"], []).append(r["summary"]["steady_steps_per_s"])
+    print(f"\nfinal return (whole episodes, last {final_fraction:.0%} of iterations):")
+    for mode in modes:
+        print(f"  {mode:8s} {_spread(finals.get(mode, []))}")
+    comparison: dict[str, Any] = {}
+    if len(modes) == 2 and all(len(finals.get(m, [])) > 0 for m in modes):
+        for mode, other in (modes, modes[::-1]):
+            mean, span = statistics.fmean(finals[mode]), finals[other]
+            inside = min(span) <= mean <= max(span)
+            comparison[f"{mode}_mean_in_{other}_range"] = inside
+            print(
+                f"  {mode}'s mean {mean:.1f} {'lies' if inside else 'does NOT lie'} within"
+                f" {other}'s seeds [{min(span):.1f}, {max(span):.1f}]"
+            )
+    # From the same seed, the two modes draw the same random numbers (the graphs' draws
+    # advance at each replay as eager's do), so they follow each other until rounding
+    # differences grow: the first iteration whose mean reward differs, per seed.
+    by_run = {(r["mode"], r["seed"]): r["iterations"] for r in results["runs"]}
+    apart: dict[str, int | None] = {}
+    for seed in seeds:
+        graphed, eager = by_run.get(("graphed", seed)), by_run.get(("eager", seed))
+        if graphed is None or eager is None:
+            continue
+        apart[str(seed)] = next(
+            (
+                g["iteration"] + 1
+                for g, e in zip(graphed, eager, strict=True)
+                if not math.isclose(g["reward_per_step"], e["reward_per_step"], rel_tol=1e-5)
+            ),
+            None,
+        )
+    if apart:
+        comparison["first_iteration_apart"] = apart
+        print(
+            "  first iteration whose mean reward differs between the modes, per seed:"
+            f" {apart} (None: never)"
+        )
+    results["comparison"] = comparison
+    print("steps/s past the warm-up (mean over seeds):")
+    for mode in modes:
+        print(f"  {mode:8s} {statistics.fmean(rates[mode]):12,.0f}")
+    if "graphed" in rates and "eager" in rates:
+        ratio = statistics.fmean(rates["graphed"]) / statistics.fmean(rates["eager"])
+        comparison["graphed_over_eager_steps_per_s"] = ratio
+        print(f"  graphed / eager: {ratio:.2f}x")
+    sac = sac_reference()
+    if sac is not None and "graphed" in rates:
+        results["sac_reference"] = sac
+        ratio = statistics.fmean(rates["graphed"]) / sac["steps_per_s"]
+        comparison["graphed_over_leanrl_sac_cpu_env"] = ratio
+        print(
+            f"  LeanRL's SAC on gymnasium's CPU HalfCheetah ({sac['device']}, median of"
+            f" {sac['runs']} runs, {sac['source']}): {sac['steps_per_s']:,.0f} steps/s;"
+            f" graphed PPO here {ratio:,.2f}x that (another algorithm: a reference point)"
+        )
+
+
+def merge(paths: list[str], out: str) -> None:
+    """The report of the runs that the result files ``paths`` hold, made apart (each seed
+    and mode a process of its own, side by side on one GPU: their returns are what they
+    would be in one process; their steps per second, sharing the GPU and the host, are not
+    a timing). The files must share their configuration."""
+    found = [json.loads(pathlib.Path(p).read_text()) for p in paths]
+    merged = {key: found[0][key] for key in ("device", "versions", "config")}
+    for other, path in zip(found[1:], paths[1:], strict=True):
+        if other["config"] != merged["config"]:
+            raise SystemExit(f"{path}: another configuration than {paths[0]}'s")
+    merged["runs"] = [run for each in found for run in each["runs"]]
+    merged["merged_from"] = paths
+    modes = sorted({r["mode"] for r in merged["runs"]}, key=["graphed", "eager"].index)
+    seeds = sorted({r["seed"] for r in merged["runs"]})
+    print(f"{len(merged['runs'])} runs of {len(paths)} files, made apart (timings shared)")
+    report(merged, modes, seeds, merged["config"]["final_fraction"])
+    if out:
+        pathlib.Path(out).write_text(json.dumps(merged, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cuda = torch.cuda.is_available()
@@ -434,7 +522,16 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--log-every", type=int, default=10, help="iterations between logs")
     parser.add_argument("--json", default="", help="where to write the results")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        help="result files of runs made apart (a process each): their report, as one run's",
+    )
     args = parser.parse_args()
+    if args.merge:
+        merge(args.merge, args.json)
+        return
     device = torch.device("cuda" if cuda else "cpu")
     cfg = Config(
         envs=args.envs,
@@ -525,66 +622,7 @@ def main() -> None:
                 if args.json:  # after every run: a run cut short keeps what it did
                     pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
                 del run
-    finals: dict[str, list[float]] = {}
-    rates: dict[str, list[float]] = {}
-    for r in results["runs"]:
-        if r["summary"]["final_return"] is not None:
-            finals.setdefault(r["mode"], []).append(r["summary"]["final_return"])
-        rates.setdefault(r["mode"], []).append(r["summary"]["steady_steps_per_s"])
-    print(f"\nfinal return (whole episodes, last {cfg.final_fraction:.0%} of iterations):")
-    for mode in modes:
-        print(f"  {mode:8s} {_spread(finals.get(mode, []))}")
-    comparison: dict[str, Any] = {}
-    if len(modes) == 2 and all(len(finals.get(m, [])) > 0 for m in modes):
-        for mode, other in (modes, modes[::-1]):
-            mean, span = statistics.fmean(finals[mode]), finals[other]
-            inside = min(span) <= mean <= max(span)
-            comparison[f"{mode}_mean_in_{other}_range"] = inside
-            print(
-                f"  {mode}'s mean {mean:.1f} {'lies' if inside else 'does NOT lie'} within"
-                f" {other}'s seeds [{min(span):.1f}, {max(span):.1f}]"
-            )
-    # From the same seed, the two modes draw the same random numbers (the graphs' draws
-    # advance at each replay as eager's do), so they follow each other until rounding
-    # differences grow: the first iteration whose mean reward differs, per seed.
-    by_run = {(r["mode"], r["seed"]): r["iterations"] for r in results["runs"]}
-    apart: dict[str, int | None] = {}
-    for seed in seeds:
-        graphed, eager = by_run.get(("graphed", seed)), by_run.get(("eager", seed))
-        if graphed is None or eager is None:
-            continue
-        apart[str(seed)] = next(
-            (
-                g["iteration"] + 1
-                for g, e in zip(graphed, eager, strict=True)
-                if not math.isclose(g["reward_per_step"], e["reward_per_step"], rel_tol=1e-5)
-            ),
-            None,
-        )
-    if apart:
-        comparison["first_iteration_apart"] = apart
-        print(
-            "  first iteration whose mean reward differs between the modes, per seed:"
-            f" {apart} (None: never)"
-        )
-    results["comparison"] = comparison
-    print("steps/s past the warm-up (mean over seeds):")
-    for mode in modes:
-        print(f"  {mode:8s} {statistics.fmean(rates[mode]):12,.0f}")
-    if "graphed" in rates and "eager" in rates:
-        ratio = statistics.fmean(rates["graphed"]) / statistics.fmean(rates["eager"])
-        comparison["graphed_over_eager_steps_per_s"] = ratio
-        print(f"  graphed / eager: {ratio:.2f}x")
-    sac = sac_reference()
-    if sac is not None and "graphed" in rates:
-        results["sac_reference"] = sac
-        ratio = statistics.fmean(rates["graphed"]) / sac["steps_per_s"]
-        comparison["graphed_over_leanrl_sac_cpu_env"] = ratio
-        print(
-            f"  LeanRL's SAC on gymnasium's CPU HalfCheetah ({sac['device']}, median of"
-            f" {sac['runs']} runs, {sac['source']}): {sac['steps_per_s']:,.0f} steps/s;"
-            f" graphed PPO here {ratio:,.2f}x that (another algorithm: a reference point)"
-        )
+    report(results, modes, seeds, cfg.final_fraction)
     if not cuda:
         print("(Warp's CPU device and the library's emulation: a smoke test, not a GPU's timings)")
     if args.json:

@@ -11,6 +11,7 @@
 #   TESTS=0 TORCHRL=0 SOAK=0 LEANRL_SCRIPTS=1 bash scripts/gpu_check.sh  # LeanRL's own scripts
 #   TESTS=0 TORCHRL=0 SOAK=0 MJW=1 bash scripts/gpu_check.sh  # MuJoCo Warp: check, timings
 #   TESTS=0 TORCHRL=0 SOAK=0 MJW=1 MJW_BENCH=0 MJW_PPO=1 bash scripts/gpu_check.sh  # its PPO
+#   TESTS=0 TORCHRL=0 SOAK=0 MJW=1 MJW_BENCH=0 MJW_PPO_APART=1 bash scripts/gpu_check.sh  # seeds apart
 # It installs the wheels that ../shared/gpu/fetch-wheels.sh put in .whl/ (if any), and writes
 # its logs to $OUT (or ./gpu-logs when OUT is unset); test-pairs.log pairs each test body's
 # outcome on the emulation with its outcome on CUDA (scripts/test_pairs.py). With wheels in
@@ -87,6 +88,29 @@ if [ "${MJW:-0}" = 1 ]; then
     PYTHONPATH="$PYTHONPATH:/tmp/site-mjw" python3 benchmarks/mjwarp_cheetah.py --check \
       --skip-c --check-deterministic off --envs "${MJW_ENVS:-1024,4096}" \
       --json "$out/mjw.json" 2>&1 | grep -v '^Module ' | tee "$out/mjw.log" || status=1
+  fi
+  if [ "${MJW_PPO_APART:-0}" = 1 ]; then
+    # PPO's returns, each seed and mode a process of its own, side by side on the GPU (the
+    # eager loop waits on the host at each solver iteration: apart, the runs wait together),
+    # then one report of them all (mjwarp_ppo.py --merge). Their steps per second share
+    # the GPU and the host: time with MJW_PPO=1 and one seed. The first run loads (or
+    # compiles) Warp's kernels into the cache before the others start.
+    runs=()
+    for seed in ${MJW_PPO_SEEDS:-0 1 2}; do
+      for mode in graphed eager; do
+        name="$out/mjw_ppo_${mode}_${seed}"
+        runs+=("$name.json")
+        # shellcheck disable=SC2086  # the settings' words are its arguments
+        PYTHONPATH="$PYTHONPATH:/tmp/site-mjw" python3 benchmarks/mjwarp_ppo.py --seeds "$seed" \
+          --mode "$mode" ${MJW_PPO_ARGS:-} --json "$name.json" > "$name.log" 2>&1 &
+        if [ "${#runs[@]}" = 1 ]; then
+          for _ in $(seq 300); do grep -q "kernels loaded" "$name.log" && break; sleep 1; done
+        fi
+      done
+    done
+    wait
+    PYTHONPATH="$PYTHONPATH:/tmp/site-mjw" python3 benchmarks/mjwarp_ppo.py --merge "${runs[@]}" \
+      --json "$out/mjw_ppo.json" 2>&1 | tee "$out/mjw_ppo.log" || status=1
   fi
   if [ "${MJW_PPO:-0}" = 1 ]; then
     # shellcheck disable=SC2086  # the settings' words are its arguments

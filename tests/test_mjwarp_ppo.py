@@ -41,3 +41,36 @@ def test_ppo_on_mujoco_warp_runs_graphed_and_eager(tmp_path: pathlib.Path) -> No
     graphed, eager = (runs[m]["iterations"] for m in ("graphed", "eager"))
     for g, e in list(zip(graphed, eager, strict=True))[:2]:
         assert g["reward_per_step"] == pytest.approx(e["reward_per_step"], rel=1e-5)
+
+
+def test_runs_made_apart_merge_into_one_report(tmp_path: pathlib.Path) -> None:
+    # Each mode in a process of its own, then `--merge`: the same report as one process's
+    # (the same returns, as both modes draw the same numbers from a seed).
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the script's defaults take minutes: run it itself")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *sys.path])}
+    script = str(ROOT / "benchmarks" / "mjwarp_ppo.py")
+
+    def run(*args: str) -> str:
+        result = subprocess.run(
+            [sys.executable, script, *args],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+            cwd=ROOT,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout
+
+    files = [tmp_path / f"{mode}.json" for mode in ("graphed", "eager")]
+    for mode, path in zip(("graphed", "eager"), files, strict=True):
+        run("--seeds=0", f"--mode={mode}", f"--json={path}")
+    merged = tmp_path / "merged.json"
+    out = run("--merge", *map(str, files), f"--json={merged}")
+    assert "2 runs of 2 files, made apart" in out
+    found = json.loads(merged.read_text())
+    assert sorted(r["mode"] for r in found["runs"]) == ["eager", "graphed"]
+    finals = {r["mode"]: r["summary"]["final_return"] for r in found["runs"]}
+    assert finals["graphed"] == pytest.approx(finals["eager"], rel=1e-5)
+    assert found["comparison"]["graphed_mean_in_eager_range"] is True
