@@ -139,6 +139,34 @@ def test_a_first_capture_before_any_matrix_product_in_the_process() -> None:
 
 
 @requires_cuda
+def test_a_workspace_priming_that_breaks_its_capture_leaves_random_ops_working(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A priming whose product breaks its capture (a host sync inside it): ending the capture
+    # raises, and torch skips the end of its bookkeeping. The library ends it: the pool's
+    # routing, and the CUDA generator's mark as capturing, which would fail the next random
+    # op outside a graph ("Offset increment outside graph capture").
+    products = _sharing._products
+
+    def breaking(operand: torch.Tensor) -> dict[str, Any]:
+        def broken() -> None:
+            if torch.cuda.is_current_stream_capturing():
+                operand.sum().item()  # a host sync: the capture is invalidated
+
+        return {kind: broken for kind in products(operand)}
+
+    _sharing.workspace(torch.device("cuda", torch.cuda.current_device()))._forget()
+    monkeypatch.setattr(_sharing, "_products", breaking)  # the next capture primes again
+    net = _policy()
+    with torch.no_grad():
+        graphed = _captured(net)
+        assert not torch.cuda.is_current_stream_capturing()
+        x = torch.randn(32, 17, device="cuda")  # the generator is not left marked
+        torch.testing.assert_close(graphed(x), net(x))
+        assert torch.rand(4, device="cuda").shape == (4,)
+
+
+@requires_cuda
 def test_a_failed_workspace_priming_leaves_the_capture_its_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
