@@ -112,6 +112,15 @@ def test_the_python_work_of_a_replay_is_counted(scripts: dict[str, dict[str, Any
     assert all(int(row.split()[-1]) > 0 for row in rows)  # frames entered
 
 
+@pytest.mark.parametrize("kind", ["a", "td", "kw", "exact", "buckets"])
+def test_the_instruction_counts_child_replays_each_kind(kind: str) -> None:
+    # What valgrind counts in benchmarks/instructions.py (valgrind itself is not needed here):
+    # each kind's replays, run to the end.
+    path = ROOT / "benchmarks" / "instructions.py"
+    done = _run(path, "--child", "now", kind, "5")
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_the_rollout_benchmark_runs() -> None:
     pytest.importorskip("torchrl")  # CI's environment beside torchrl runs it
     out = _run(ROOT / "benchmarks" / "rollouts.py").stdout
