@@ -105,9 +105,7 @@ def _cuda_left_as_found() -> Iterator[None]:
             raise
         problems.append("left the CUDA generator marked as capturing")
         with torch.cuda.stream(torch.cuda.Stream()):  # a capture that ends well clears it
-            from cudagraph_td._capture.backend import _one_node_graph
-
-            _one_node_graph(torch.device("cuda", torch.cuda.current_device()))
+            _compat.one_node_graph(torch.device("cuda", torch.cuda.current_device()))
     if problems:
         pytest.fail(f"the test {' and '.join(problems)}", pytrace=False)
 

@@ -253,11 +253,18 @@ def end_broken_capture(device: torch.device, pool: Any) -> None:
     unexpectedly"), is cleared by a capture of one kernel on the current stream that ends
     well. Checked on CUDA by every test's teardown (``tests/conftest.py``)."""
     end_allocate_to_pool(device, pool)
+    one_node_graph(device)
+
+
+def one_node_graph(device: torch.device, pool: Any = None) -> torch.cuda.CUDAGraph:
+    """A graph of one kernel, captured on the current stream into ``pool`` (None: a new
+    one): a pool's anchor (see `_capture.backend.SharedPool`), or a capture that ends well."""
     scratch = torch.empty(1, device=device)
     graph = torch.cuda.CUDAGraph()
-    graph.capture_begin()
+    graph.capture_begin(pool=pool)
     scratch.zero_()  # a graph must hold a node for capture_end to accept it
     graph.capture_end()
+    return graph
 
 
 def distributions_validate_args() -> bool:

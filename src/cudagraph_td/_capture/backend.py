@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 
 from .. import _compat
-from .._compat import any_autocast_enabled, distributions_validate_args, end_broken_capture
+from .._compat import any_autocast_enabled, distributions_validate_args
 from .._emulation import host_calls as _host_calls
 from .._emulation import lent as _lent
 from .._emulation import recording as _recording
@@ -158,7 +158,7 @@ class SharedPool:
         if device not in self._pools:
             handle = torch.cuda.graph_pool_handle()
             with torch.cuda.stream(_sharing.capture_stream(device)):
-                self._pools[device] = (handle, _one_node_graph(device, handle))
+                self._pools[device] = (handle, _compat.one_node_graph(device, handle))
         return self._pools[device][0]
 
     def give_up(self, device: torch.device) -> None:
@@ -289,7 +289,7 @@ class CudaBackend:
             # then skips the end of its own bookkeeping: the allocator still routes this
             # stream's allocations to the graph's pool (which the wrapper's next capture
             # uses), and the CUDA generator stays marked as capturing. Both undone here.
-            end_broken_capture(self.device, pool)
+            _compat.end_broken_capture(self.device, pool)
         if torch.cuda.is_current_stream_capturing():  # pragma: no cover - driver failure
             raise RuntimeError("cudagraph_td could not end a failed capture")
 
@@ -348,17 +348,6 @@ def _end_capture(graph: torch.cuda.CUDAGraph) -> None:
         # captures on the wrong stream.
         warnings.filterwarnings("ignore", "The CUDA Graph is empty")
         graph.capture_end()
-
-
-def _one_node_graph(device: torch.device, pool: Any = None) -> torch.cuda.CUDAGraph:
-    """A graph of one kernel, captured on the current stream into ``pool`` (None: a new
-    one): a pool's anchor (see `SharedPool`), or a capture that ends well."""
-    scratch = torch.empty(1, device=device)
-    graph = torch.cuda.CUDAGraph()
-    graph.capture_begin(pool=pool)
-    scratch.zero_()  # a graph must hold a node for capture_end to accept it
-    graph.capture_end()
-    return graph
 
 
 def _take_pending_solver_error(err: BaseException, device: torch.device) -> None:

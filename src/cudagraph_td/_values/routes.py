@@ -299,6 +299,9 @@ class OneKeyTensorDict:
     ``launch``: the graph's one-tensor launch.
     """
 
+    # Its fields in slots, read at every replay: no instance dict to touch.
+    __slots__ = ("batch_size", "device", "expected", "holds", "in_key", "launch", "out_key")
+
     def __init__(
         self,
         reader: TensorDictEntries,
@@ -309,9 +312,7 @@ class OneKeyTensorDict:
     ):
         self.in_key, self.out_key = reader.keys[0], writer.key
         self.batch_size, self.device = reader.batch_size, writer.device
-        self.expected = expected
-        self.holds = holds
-        self.launch = launch
+        self.expected, self.holds, self.launch = expected, holds, launch
 
     @staticmethod
     def fits(reader: Reader, writer: Writer) -> bool:
