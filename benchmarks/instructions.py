@@ -8,6 +8,13 @@ work, the input copy, the output's clone), in one thread, with a fixed hash seed
 count at every run. A call's count is the difference between a run of ``--calls`` more
 calls and a run of ``--base`` calls, over ``--calls``.
 
+What it cannot settle: a difference of a few hundred instructions a call (1 to 2%). Two
+harnesses that make the same calls after another setup (other objects made first, so
+another history of the allocator) gave counts that differ by up to 1,100 instructions a call,
+and by opposite signs for the two versions (measured on workload f's exact shapes). A
+version's count is stable for one setup; between versions, read only differences well
+beyond that.
+
     python benchmarks/instructions.py --baseline benchmarks/baseline --kinds td,exact,buckets
 
 Kinds: ``a`` (a function of one tensor), ``td`` (a TensorDict policy, ``module(td)``),
