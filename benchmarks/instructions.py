@@ -8,12 +8,12 @@ work, the input copy, the output's clone), in one thread, with a fixed hash seed
 count at every run. A call's count is the difference between a run of ``--calls`` more
 calls and a run of ``--base`` calls, over ``--calls``.
 
-What it cannot settle: a difference of a few hundred instructions a call (1 to 2%). Two
-harnesses that make the same calls after another setup (other objects made first, so
-another history of the allocator) gave counts that differ by up to 1,100 instructions a call,
-and by opposite signs for the two versions (measured on workload f's exact shapes). A
-version's count is stable for one setup; between versions, read only differences well
-beyond that.
+What it cannot settle: differences of a few percent. A version's count is stable for one
+setup (two runs: 900 instructions apart in 10 billion), but two harnesses that make the same
+calls after another setup (other objects made first, another history of the allocator)
+gave, now against the version before, -408 and -4,643 instructions a call for
+``module(td)``, and -267 and +1,104 for f's exact shapes. Read only differences well beyond
+that, or the same sign over several setups.
 
     python benchmarks/instructions.py --baseline benchmarks/baseline --kinds td,exact,buckets
 
