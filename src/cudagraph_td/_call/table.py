@@ -5,7 +5,8 @@ mode (tensordict's interaction type, grad mode, the module's training mode, the 
 state: see `_call.modes`), no device (each entry checks it), the values of its static
 arguments (see `_call.static`) and, where the wrapper keeps several graphs per mode
 (``shapes="exact"`` and ``"buckets"``), the shapes of its arguments (a TensorDict's is its
-batch size). The table maps each key to the entries (`_capture.entry.GraphEntry`) of the
+batch size). Where the mode alone picks the graph (no shapes, no static arguments), the key
+is the bare mode. The table maps each key to the entries (`_capture.entry.GraphEntry`) of the
 graphs that answered calls of that key on the slow path, most recent first: usually one;
 two when calls that the key does not tell apart (another device, a TensorDict's entries of
 other shapes) take other graphs. A call whose key is in the table replays at once; any
@@ -46,22 +47,25 @@ class GraphTable:
     def __init__(self, module: Any, by_shapes: bool, static: StaticArgs | None):
         self._by_shapes = by_shapes
         self._static = static
-        self._entries: dict[GraphKey, tuple[GraphEntry, ...]] = {}
-        # Where a call's key is its mode's (one graph per mode, no static arguments), the same
-        # entries by the mode alone: a bare mode hashes faster than the key that nests it.
-        by_mode: dict[Mode, tuple[GraphEntry, ...]] = {}
-        self._by_mode = by_mode if not by_shapes and static is None else None
+        # Where the mode alone picks the graph (no shapes, no static arguments), a call's key
+        # is the bare mode, which hashes faster than a key that nests it.
+        self._mode_only = not by_shapes and static is None
+        self._entries: dict[GraphKey | Mode, tuple[GraphEntry, ...]] = {}
         # The call's mode, read at every call; and without static arguments, `find` reads
-        # the call's key and looks it up in one closure (in `_by_mode` where the key is the
-        # mode's): a closure over the dict, not a method bound to the table, which would make
-        # a reference cycle that only the garbage collector frees.
-        self._mode, find = mode_lookup(module, self._entries if by_shapes else by_mode, by_shapes)
+        # the call's key and looks it up in one closure: a closure over the table's dict, not
+        # a method bound to the table, which would make a reference cycle that only the
+        # garbage collector frees.
+        self._mode, find = mode_lookup(module, self._entries, by_shapes)
         if static is None:
             self.find = find  # type: ignore[method-assign, assignment]
 
-    def key(self, args: Args, kwargs: Kwargs, mode: Mode | None = None) -> GraphKey:
-        """The key of a call now (``mode``: the call's, if known already). A plain tuple of
-        a `GraphKey`'s fields, which hashes and compares as one, made faster."""
+    def key(self, args: Args, kwargs: Kwargs, mode: Mode | None = None) -> GraphKey | Mode:
+        """The key of a call now (``mode``: the call's, if known already): the bare mode
+        where it alone picks the graph, else a plain tuple of a `GraphKey`'s fields, which
+        hashes and compares as one, made faster."""
+        mode = self._mode() if mode is None else mode
+        if self._mode_only:
+            return mode
         values = () if self._static is None else self._static.values(args, kwargs)
         shapes = None
         if self._by_shapes:
@@ -70,7 +74,7 @@ class GraphTable:
             if kwargs:
                 listed.extend((name, getattr(v, "shape", None)) for name, v in kwargs.items())
             shapes = tuple(listed)
-        return (self._mode() if mode is None else mode, None, values, shapes)  # type: ignore[return-value]
+        return (mode, None, values, shapes)  # type: ignore[return-value]
 
     def find(self, args: Args, kwargs: Kwargs) -> tuple[GraphEntry, ...]:
         """The entries for a call like this one (none for a key never seen)."""
@@ -79,20 +83,16 @@ class GraphTable:
         except (KeyError, TypeError):  # a key never seen, or a static value not hashable
             return ()
 
-    def add(self, key: GraphKey, entry: GraphEntry) -> None:
+    def add(self, key: GraphKey | Mode, entry: GraphEntry) -> None:
         """Give calls of ``key`` the entry ``entry`` first."""
         known = self._entries.get(key, ())
         if known and known[0] is entry:
             return
         rest = tuple(e for e in known if e is not entry)
-        entries = self._entries[key] = (entry, *rest)[:ENTRIES_PER_KEY]
-        if self._by_mode is not None:  # a key of a mode alone: (mode, None, (), None)
-            self._by_mode[key[0]] = entries
+        self._entries[key] = (entry, *rest)[:ENTRIES_PER_KEY]
 
     def clear(self) -> None:
         self._entries.clear()
-        if self._by_mode is not None:
-            self._by_mode.clear()
 
     def entries(self) -> list[GraphEntry]:
         """Every entry in the table, once each (for introspection and tests)."""
