@@ -17,13 +17,12 @@ pytest.importorskip("mujoco_warp")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def test_ppo_on_mujoco_warp_runs_graphed_and_eager(tmp_path: pathlib.Path) -> None:
-    if torch.cuda.is_available():
-        pytest.skip("on a GPU the script's defaults take minutes: run it itself")
-    out = tmp_path / "ppo.json"
+def _run(*args: str) -> str:
+    """``benchmarks/mjwarp_ppo.py`` with ``args``, as a user runs it; its output."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *sys.path])}
+    script = str(ROOT / "benchmarks" / "mjwarp_ppo.py")
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "mjwarp_ppo.py"), "--seeds=0", f"--json={out}"],
+        [sys.executable, script, *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -31,6 +30,14 @@ def test_ppo_on_mujoco_warp_runs_graphed_and_eager(tmp_path: pathlib.Path) -> No
         cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_ppo_on_mujoco_warp_runs_graphed_and_eager(tmp_path: pathlib.Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the script's defaults take minutes: run it itself")
+    out = tmp_path / "ppo.json"
+    _run("--seeds=0", f"--json={out}")
     found = json.loads(out.read_text())
     runs = {run["mode"]: run for run in found["runs"]}
     assert set(runs) == {"graphed", "eager"}
@@ -48,26 +55,11 @@ def test_runs_made_apart_merge_into_one_report(tmp_path: pathlib.Path) -> None:
     # (the same returns, as both modes draw the same numbers from a seed).
     if torch.cuda.is_available():
         pytest.skip("on a GPU the script's defaults take minutes: run it itself")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *sys.path])}
-    script = str(ROOT / "benchmarks" / "mjwarp_ppo.py")
-
-    def run(*args: str) -> str:
-        result = subprocess.run(
-            [sys.executable, script, *args],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env=env,
-            cwd=ROOT,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        return result.stdout
-
     files = [tmp_path / f"{mode}.json" for mode in ("graphed", "eager")]
     for mode, path in zip(("graphed", "eager"), files, strict=True):
-        run("--seeds=0", f"--mode={mode}", f"--json={path}")
+        _run("--seeds=0", f"--mode={mode}", f"--json={path}")
     merged = tmp_path / "merged.json"
-    out = run("--merge", *map(str, files), f"--json={merged}")
+    out = _run("--merge", *map(str, files), f"--json={merged}")
     assert "2 runs of 2 files, made apart" in out
     found = json.loads(merged.read_text())
     assert sorted(r["mode"] for r in found["runs"]) == ["eager", "graphed"]
