@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import threading
 from typing import Any
 
@@ -146,11 +147,15 @@ def test_a_workspace_priming_that_breaks_its_capture_leaves_random_ops_working(
     # raises, and torch skips the end of its bookkeeping. The library ends it: the pool's
     # routing, and the CUDA generator's mark as capturing, which would fail the next random
     # op outside a graph ("Offset increment outside graph capture").
+    # A garbage collection inside the broken capture could free other streams' tensors,
+    # which is illegal there (pytorch#161037): the priming holds it off, at a warm-up too.
     products = _sharing._products
+    collecting: list[bool] = []
 
     def breaking(operand: torch.Tensor) -> dict[str, Any]:
         def broken() -> None:
             if torch.cuda.is_current_stream_capturing():
+                collecting.append(gc.isenabled())
                 operand.sum().item()  # a host sync: the capture is invalidated
 
         return {kind: broken for kind in products(operand)}
@@ -164,6 +169,8 @@ def test_a_workspace_priming_that_breaks_its_capture_leaves_random_ops_working(
         x = torch.randn(32, 17, device="cuda")  # the generator is not left marked
         torch.testing.assert_close(graphed(x), net(x))
         assert torch.rand(4, device="cuda").shape == (4,)
+    assert collecting and not any(collecting)
+    assert gc.isenabled()
 
 
 @requires_cuda

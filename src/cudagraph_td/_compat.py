@@ -15,6 +15,7 @@ import contextlib
 import operator
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -244,16 +245,32 @@ def end_allocate_to_pool(device: torch.device, pool: Any) -> None:
         end(device.index, pool)
 
 
-def end_broken_capture(device: torch.device, pool: Any) -> None:
-    """Undo what torch leaves of a capture into ``pool`` whose ``capture_end`` raised (the
-    code inside invalidated it, a host sync say): torch raises before the end of its own
-    bookkeeping. The allocator's routing of the stream into the pool is ended
-    (`end_allocate_to_pool`), and the CUDA generator's mark as capturing, which fails the
-    next random op outside a graph ("Offset increment outside graph capture encountered
-    unexpectedly"), is cleared by a capture of one kernel on the current stream that ends
-    well. Checked on CUDA by every test's teardown (``tests/conftest.py``)."""
-    end_allocate_to_pool(device, pool)
-    one_node_graph(device)
+def end_capture(graph: torch.cuda.CUDAGraph) -> None:
+    """``graph.capture_end()``, without torch's warning about an empty graph: a function that
+    launches no kernel (it returns its input, or constants) makes one, which replays
+    correctly; the warning is meant for captures on the wrong stream."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The CUDA Graph is empty")
+        graph.capture_end()
+
+
+def end_failed_capture(graph: torch.cuda.CUDAGraph, device: torch.device, pool: Any) -> None:
+    """End a capture into ``pool`` whose code raised, leaving CUDA as it was before it began.
+
+    An error raised before the first kernel leaves the capture empty, and it ends as any
+    other. An error that broke the capture (a host sync, say) also invalidated it: ending it
+    raises again, and torch raises before the end of its own bookkeeping. The allocator's
+    routing of the stream into the pool is then ended (`end_allocate_to_pool`, nothing if
+    torch ended it), and the CUDA generator's mark as capturing, which fails the next random
+    op outside a graph ("Offset increment outside graph capture encountered unexpectedly"),
+    is cleared by a capture of one kernel on the current stream that ends well. Checked on
+    CUDA by every test's teardown (``tests/conftest.py``)."""
+    try:
+        end_capture(graph)
+    except RuntimeError:
+        with contextlib.suppress(RuntimeError):  # "not currently recording": torch ended it
+            end_allocate_to_pool(device, pool)
+        one_node_graph(device)
 
 
 def one_node_graph(device: torch.device, pool: Any = None) -> torch.cuda.CUDAGraph:

@@ -266,7 +266,7 @@ class CudaBackend:
                     if isinstance(self.pool, SharedPool):
                         self.pool.give_up(self.device)
                     raise
-                _end_capture(graph)
+                _compat.end_capture(graph)
         except BaseException as err:
             if self.agreement is not None:  # the other ranks drop their graphs too
                 self.agreement.outcome(err)
@@ -280,16 +280,9 @@ class CudaBackend:
         return graph, out
 
     def _end_failed_capture(self, graph: torch.cuda.CUDAGraph, pool: Any) -> None:
-        """Take the capture stream out of capture mode after the function raised inside it."""
-        try:
-            _end_capture(graph)  # raised before its first kernel, the function left it empty
-        except RuntimeError:
-            # The error that broke the capture also invalidated it, and ending it raises
-            # again; the caller raises the first error, which says what went wrong. torch
-            # then skips the end of its own bookkeeping: the allocator still routes this
-            # stream's allocations to the graph's pool (which the wrapper's next capture
-            # uses), and the CUDA generator stays marked as capturing. Both undone here.
-            _compat.end_broken_capture(self.device, pool)
+        """Take the capture stream out of capture mode after the function raised inside it
+        (the caller raises the function's error, which says what went wrong)."""
+        _compat.end_failed_capture(graph, self.device, pool)
         if torch.cuda.is_current_stream_capturing():  # pragma: no cover - driver failure
             raise RuntimeError("cudagraph_td could not end a failed capture")
 
@@ -339,15 +332,6 @@ def _into_own_memory(fn: Callable[[], T], like: T, device: torch.device) -> Call
         return rebuilt if orders is None else _tree.in_key_orders(rebuilt, orders)  # type: ignore[no-any-return]
 
     return run
-
-
-def _end_capture(graph: torch.cuda.CUDAGraph) -> None:
-    with warnings.catch_warnings():
-        # A function that launches no kernel (it returns its input, or constants) makes an
-        # empty graph, which replays correctly; torch's warning about it is meant for
-        # captures on the wrong stream.
-        warnings.filterwarnings("ignore", "The CUDA Graph is empty")
-        graph.capture_end()
 
 
 def _take_pending_solver_error(err: BaseException, device: torch.device) -> None:

@@ -30,12 +30,14 @@ replay slips between another's order check and its launch.
 from __future__ import annotations
 
 import functools
+import gc
 import threading
 from typing import Any
 
 import torch
 
-from .._compat import clear_cublas_workspaces, end_broken_capture, pool_blocks, raw_stream
+from .. import _compat
+from .._compat import raw_stream  # on the replay path: one global read
 
 REPLAY_LOCK = threading.RLock()
 """The lock of every wrapper's call (re-entrant: a function may call another wrapper)."""
@@ -127,6 +129,11 @@ class Workspace:
             if self._owned_alive():
                 return
             self._make_handles()
+            # A garbage collection during a priming capture can free tensors of other
+            # streams, whose deallocation is illegal while a stream captures (pytorch#161037):
+            # held off, as for every capture (the warm-up primes with it on).
+            gc_was_enabled = gc.isenabled()
+            gc.disable()
             try:
                 # A priming that finds the stream's entry made elsewhere: only a clear
                 # removes it, and the priming runs again. After two, the clear leaves the
@@ -139,9 +146,12 @@ class Workspace:
                 # A priming that fails (out of memory, say) leaves the capture to make a
                 # workspace of its own, in its pool: nothing made elsewhere is left to it.
                 self._forget()
+            finally:
+                if gc_was_enabled:
+                    gc.enable()
 
     def _forget(self) -> None:
-        clear_cublas_workspaces()
+        _compat.clear_cublas_workspaces()
         for kind in _products(self._operand):
             self._owned.pop((_owner(kind), kind), None)
 
@@ -149,7 +159,7 @@ class Workspace:
         owned = [self._owned.get((_owner(kind), kind)) for kind in _products(self._operand)]
         if any(blocks is None for blocks in owned):
             return False
-        alive = pool_blocks(self.device, self.pool)
+        alive = _compat.pool_blocks(self.device, self.pool)
         return all(blocks <= alive for blocks in owned if blocks is not None)
 
     def _make_handles(self) -> None:
@@ -165,7 +175,7 @@ class Workspace:
     def _prime(self) -> bool:
         """Capture a product of each kind into the pool; False if one found a workspace that
         this thread's primings did not make."""
-        alive = pool_blocks(self.device, self.pool)
+        alive = _compat.pool_blocks(self.device, self.pool)
         for kind, product in _products(self._operand).items():
             graph = torch.cuda.CUDAGraph()
             graph.capture_begin(pool=self.pool)
@@ -174,9 +184,9 @@ class Workspace:
             except BaseException:
                 self._abandon(graph)
                 raise
-            graph.capture_end()
+            _compat.end_capture(graph)
             self._primings.append(graph)
-            now = pool_blocks(self.device, self.pool)
+            now = _compat.pool_blocks(self.device, self.pool)
             made, alive = frozenset(now - alive), now
             key = (_owner(kind), kind)
             if made:
@@ -191,15 +201,14 @@ class Workspace:
 
     def _abandon(self, graph: torch.cuda.CUDAGraph) -> None:
         """End a failed priming capture. The pool then counts as recording still, and takes
-        no other capture: the next priming takes a new one (the graphs that use this one's
-        workspaces hold it)."""
+        no other capture: the next priming takes a new one. The graph is kept: freeing the
+        last graph of a pool releases it, and a pool released takes no capture either."""
         try:
-            graph.capture_end()
-        except RuntimeError:  # the priming broke the capture: torch's bookkeeping undone
-            end_broken_capture(self.device, self.pool)
-        self._primings.append(graph)
-        self.pool = torch.cuda.graph_pool_handle()
-        self._owned.clear()
+            _compat.end_failed_capture(graph, self.device, self.pool)
+        finally:
+            self._primings.append(graph)
+            self.pool = torch.cuda.graph_pool_handle()
+            self._owned.clear()
 
 
 @functools.cache
