@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import math
 import pathlib
@@ -463,6 +464,18 @@ def report(
             "  first iteration whose mean reward differs between the modes, per seed:"
             f" {apart} (None: never)"
         )
+    # Each mode's figures across its seeds, as the docs quote them.
+    comparison["modes"] = {
+        mode: {
+            "final_return_mean": statistics.fmean(finals[mode]) if finals.get(mode) else None,
+            "final_return_min": min(finals[mode], default=None),
+            "final_return_max": max(finals[mode], default=None),
+            "steady_steps_per_s_mean": statistics.fmean(rates[mode]),
+            "steady_steps_per_s_min": min(rates[mode]),
+            "steady_steps_per_s_max": max(rates[mode]),
+        }
+        for mode in modes
+    }
     results["comparison"] = comparison
     print("steps/s past the warm-up (mean over seeds):")
     for mode in modes:
@@ -490,6 +503,13 @@ def merge(paths: list[str], out: str) -> None:
     a timing). The files must share their configuration."""
     found = [json.loads(pathlib.Path(p).read_text()) for p in paths]
     merged = {key: found[0][key] for key in ("device", "versions", "config")}
+    merged["meta"] = {  # files written before their "meta" have the rest of it
+        "device": found[0]["device"],
+        "torch": found[0]["versions"]["torch"],
+        "date": found[0].get("meta", {}).get("date", datetime.date.today().isoformat()),
+        "note": "each seed and mode a process of its own, side by side on one GPU: the"
+        " returns are each run's own; the steps per second were shared, not a timing",
+    }
     for other, path in zip(found[1:], paths[1:], strict=True):
         if other["config"] != merged["config"]:
             raise SystemExit(f"{path}: another configuration than {paths[0]}'s")
@@ -560,6 +580,12 @@ def main() -> None:
     wp.init()
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
+        # As the docs' figures read a result file (scripts/mkdocs_figures.py).
+        "meta": {
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "torch": torch.__version__,
+            "date": datetime.date.today().isoformat(),
+        },
         "versions": {
             "torch": torch.__version__,
             "warp": wp.__version__,
