@@ -1,0 +1,93 @@
+"""Run pytest to the end even where a test crashes the process (a segmentation fault).
+
+A crash ends a run: the tests after it never run, and a GPU call yields no count of them.
+This runs ``python -m pytest -v ARGS``, and after a crash runs again the tests that pytest
+collected after the one that crashed (the test after the last one reported), until every
+test has run. Its output is pytest's, run after run (``-v`` lines, which
+``scripts/test_pairs.py`` reads), then one line per crash and a summary:
+
+    python3 scripts/pytest_through_crashes.py tests src/cudagraph_td -p no:cacheprovider
+
+Exit status: 0 if every run passed, 1 if a test failed or crashed. A ``-q`` among the
+arguments is dropped (the ``-v`` lines say which tests ran). The tests after a crash run in a
+fresh process: what earlier tests left behind is gone there.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+CRASHED = {-11, -6, 134, 139}  # SIGSEGV, SIGABRT: as a signal, or as a shell's exit status
+# `tests/test_x.py::test_y[case] PASSED   [ 12%]`, as `pytest -v` reports a test.
+_REPORTED = re.compile(r"^(\S+::\S+?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
+
+
+def collected(args: list[str]) -> list[str]:
+    """The ids of the tests that ``args`` select, in pytest's order."""
+    listed = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.splitlines()
+    return [line for line in listed if "::" in line and not line.startswith(" ")]
+
+
+def run(args: list[str]) -> tuple[int, set[str], dict[str, int]]:
+    """One pytest run, its output passed through: its exit status, the tests it reported,
+    and how many of each outcome it reported (a crashed run writes no summary)."""
+    process = subprocess.Popen(
+        [sys.executable, "-X", "faulthandler", "-m", "pytest", "-v", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    reported: set[str] = set()
+    counts: dict[str, int] = {}
+    assert process.stdout is not None
+    for line in process.stdout:
+        sys.stdout.write(line)
+        if found := _REPORTED.match(line):
+            reported.add(found[1])
+            counts[found[2].lower()] = counts.get(found[2].lower(), 0) + 1
+    sys.stdout.flush()
+    return process.wait(), reported, counts
+
+
+def main() -> None:
+    # -v, always: its lines say which tests ran (a -q would cancel it).
+    args = [a for a in sys.argv[1:] if a not in ("-q", "--quiet")]
+    # The options, for the runs after a crash, which name their tests one by one.
+    options = [a for a in args if a.startswith("-") or not os.path.exists(a.split("::")[0])]
+    ids = collected(args)
+    totals: dict[str, int] = {}
+    crashed: list[str] = []
+    status, reported, counts = run(args)
+    while True:
+        for kind, number in counts.items():
+            totals[kind] = totals.get(kind, 0) + number
+        if status not in CRASHED:
+            break
+        left = [i for i in ids if i not in reported]
+        if not left:
+            break
+        crashed.append(left[0])  # the first test not reported: the one running at the crash
+        print(f"\n== CRASHED (exit {status}): {left[0]}; running the {len(left) - 1} after it\n")
+        ids = left[1:]
+        if not ids:
+            break
+        status, reported, counts = run([*options, *ids])
+    failed = status not in (0, 5) or bool(crashed) or totals.get("failed", 0) > 0
+    failed = failed or totals.get("error", 0) > 0
+    summary = ", ".join(f"{n} {kind}" for kind, n in sorted(totals.items()))
+    print(f"\n== through crashes: {summary}, {len(crashed)} crashed")
+    for test in crashed:
+        print(f"== crashed: {test}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
