@@ -19,6 +19,7 @@ from pathlib import Path
 
 START, END = "<!-- corpus-table -->", "<!-- /corpus-table -->"
 WRAPPERS = ("cudagraph_td", "tensordict", "torch")
+_CALL = re.compile(r"(?<![\w`])([A-Za-z_][\w.]*\([\w.]*\))")  # `name(arg)`, no spaces
 
 
 def table(lines: list[dict[str, str]], kept: dict[tuple[str, str], str] | None = None) -> str:
@@ -28,7 +29,7 @@ def table(lines: list[dict[str, str]], kept: dict[tuple[str, str], str] | None =
     for line in lines:
         cell = line["outcome"]
         if line.get("detail") and line["outcome"] != "matches eager":
-            cell += f": {line['detail']}"
+            cell += f": {_calls_as_code(line['detail'])}"
         rows[(line["source"], line["row"])][line["wrapper"]].append(f"{cell} ({line['backend']})")
     made = dict(kept or {})
     for (source, row), cells in rows.items():
@@ -39,6 +40,15 @@ def table(lines: list[dict[str, str]], kept: dict[tuple[str, str], str] | None =
         made[(source, f"`{row}`")] = f"| {source} | `{row}` | " + " | ".join(shown) + " |"
     out = ["| source | row | " + " | ".join(WRAPPERS) + " |", "| --- | --- |" + " --- |" * 3]
     return "\n".join(out + [made[key] for key in sorted(made)])
+
+
+def _calls_as_code(text: str) -> str:
+    """``text`` with each call written in it (``CudaGraphModule(get_action_and_value)``) as
+    code, outside the code already marked: the docs wrap code at its joints, and a call of
+    38 letters as one word widened the table past the page."""
+    parts = text.split("`")
+    parts[::2] = [_CALL.sub(r"`\1`", part) for part in parts[::2]]
+    return "`".join(parts)
 
 
 def page_rows(page: str) -> dict[tuple[str, str], str]:
