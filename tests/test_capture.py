@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from .conftest import Backend, current_entry
+from cudagraph_td import CudaGraphModule, _compat
+
+from .conftest import Backend, current_entry, requires_cuda
 
 
 class Flaky:
@@ -207,6 +209,23 @@ def test_a_branch_on_a_tensor_value_fails_at_the_capture(backend: Backend) -> No
     graphed = backend.wrap(lambda x: x * 2 if x.sum() > 0 else x * 3, warmup=1)
     with pytest.raises(RuntimeError, match="synchronises the host"):
         graphed(backend.randn(2).abs())
+
+
+@requires_cuda
+def test_a_broken_capture_keeps_its_graph_for_the_pinned_allocator() -> None:
+    # A host sync broke the capture: torch's pinned-memory allocator keeps routing it, and
+    # asks its graph, under every later capture, whether that capture is its own. Freed,
+    # the graph would leave a dangling pointer there; the library keeps it.
+    before = list(_compat.BROKEN_CAPTURES)
+    graphed = CudaGraphModule(lambda x: x * 2 if x.sum() > 0 else x * 3, warmup=1)
+    with pytest.raises(RuntimeError, match="synchronises the host"):
+        graphed(torch.rand(2, device="cuda"))
+    assert len(_compat.BROKEN_CAPTURES) == len(before) + 1
+    assert _compat.BROKEN_CAPTURES[: len(before)] == before  # the same graphs, kept
+    # A later capture that pins memory (`.item()` pins its scalar) is refused as ever.
+    item = CudaGraphModule(lambda x: x * x.sum().item(), warmup=1)
+    with pytest.raises(RuntimeError, match="synchronises the host"):
+        item(torch.rand(2, device="cuda"))
 
 
 # What a CUDA capture cannot record: each case raises inside the capture.

@@ -264,13 +264,23 @@ def end_failed_capture(graph: torch.cuda.CUDAGraph, device: torch.device, pool: 
     torch ended it), and the CUDA generator's mark as capturing, which fails the next random
     op outside a graph ("Offset increment outside graph capture encountered unexpectedly"),
     is cleared by a capture of one kernel on the current stream that ends well. Checked on
-    CUDA by every test's teardown (``tests/conftest.py``)."""
+    CUDA by every test's teardown (``tests/conftest.py``).
+
+    The pinned-memory allocator's routing of the capture stays (no binding of torch's ends
+    it): it asks the graph, at each pinned allocation under a later capture (``.item()``
+    pins its scalar), whether that capture is its own. So the graph is kept for the process
+    (`BROKEN_CAPTURES`): freed, it would leave that question to a dangling pointer."""
     try:
         end_capture(graph)
     except RuntimeError:
+        BROKEN_CAPTURES.append(graph)
         with contextlib.suppress(RuntimeError):  # "not currently recording": torch ended it
             end_allocate_to_pool(device, pool)
         one_node_graph(device)
+
+
+BROKEN_CAPTURES: list[torch.cuda.CUDAGraph] = []
+"""The graphs whose capture broke, kept for the process (see `end_failed_capture`)."""
 
 
 def one_node_graph(device: torch.device, pool: Any = None) -> torch.cuda.CUDAGraph:
