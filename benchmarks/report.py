@@ -46,33 +46,43 @@ def table(results: list[dict[str, Any]], kind: str = "wall") -> str:
     return "\n".join(lines)
 
 
+def before_changes(result: dict[str, Any], kind: str = "CPU") -> dict[str, tuple[list[float], ...]]:
+    """Per variant timed beside its version before (``<variant>`` and the same name with
+    ``(before)`` after ``cudagraph_td``): its time over the floor, the version before's, and
+    the change, round by round (both timed in the same round). The floor of a borrowed
+    variant is ``floor, borrowed`` where there is one."""
+    rounds = result.get("all_us" if kind == "wall" else "all_cpu_us", {})
+    changes = {}
+    for before, then in rounds.items():
+        if not before.startswith(BEFORE):
+            continue
+        variant = OURS + before[len(BEFORE) :]
+        floor = FLOOR + ", borrowed" if "borrowed" in variant else FLOOR
+        floor = floor if floor in rounds else FLOOR
+        now = rounds.get(variant)
+        if not now or floor not in rounds:
+            continue
+        base = rounds[floor]
+        changes[variant] = (
+            [a / f for a, f in zip(now, base, strict=True)],
+            [b / f for b, f in zip(then, base, strict=True)],
+            [(a - b) / f for a, b, f in zip(now, then, base, strict=True)],
+        )
+    return changes
+
+
 def before_table(results: list[dict[str, Any]], kind: str = "CPU") -> str:
-    """One row per variant timed beside its version before (``<variant>`` and the same name
-    with ``(before)`` after ``cudagraph_td``): the change of its time over the floor, round
-    by round (both timed in the same round), as the median over the rounds and their range.
-    The floor of a borrowed variant is ``floor, borrowed`` where there is one."""
-    key = "all_us" if kind == "wall" else "all_cpu_us"
+    """One row per variant timed beside its version before (see `before_changes`): the
+    change of its time over the floor as the median over the rounds and their range."""
     lines = [
         f"| workload | variant | {kind} / floor, now | before | change, median | range |",
         "| --- | --- | ---: | ---: | ---: | --- |",
     ]
     for result in results:
-        rounds = result.get(key, {})
-        for before, then in rounds.items():
-            if not before.startswith(BEFORE):
-                continue
-            variant = OURS + before[len(BEFORE) :]
-            floor = FLOOR + ", borrowed" if "borrowed" in variant else FLOOR
-            floor = floor if floor in rounds else FLOOR
-            now = rounds.get(variant)
-            if not now or floor not in rounds:
-                continue
-            base = rounds[floor]
-            change = [(a - b) / f for a, b, f in zip(now, then, base, strict=True)]
+        for variant, (now, then, change) in before_changes(result, kind).items():
             lines.append(
                 f"| {result['workload']} | {variant} "
-                f"| {statistics.median(a / f for a, f in zip(now, base, strict=True)):.3f} "
-                f"| {statistics.median(b / f for b, f in zip(then, base, strict=True)):.3f} "
+                f"| {statistics.median(now):.3f} | {statistics.median(then):.3f} "
                 f"| {statistics.median(change):+.3f} | {min(change):+.3f} .. {max(change):+.3f} |"
             )
     return "\n".join(lines) if len(lines) > 2 else ""

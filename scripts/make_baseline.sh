@@ -2,12 +2,13 @@
 # Make an earlier version of the library importable beside the current one, for
 # `python benchmarks/run.py --baseline benchmarks/baseline` (one process times both):
 #   bash scripts/make_baseline.sh REV      # REV: a commit, e.g. HEAD~3 or a tag
+#   bash scripts/make_baseline.sh HEAD benchmarks/baseline/aa  # another folder (an A/A copy)
 # It writes benchmarks/baseline/cudagraph_td_baseline/ (ignored by git): the package as it
 # was at REV, renamed, with its own optree namespace so that both can register TensorDict.
 set -euo pipefail
-rev=${1:?usage: make_baseline.sh REV}
+rev=${1:?usage: make_baseline.sh REV [DIR]}
 cd "$(git rev-parse --show-toplevel)"
-out=benchmarks/baseline/cudagraph_td_baseline
+out=${2:-benchmarks/baseline}/cudagraph_td_baseline
 rm -rf "$out" && mkdir -p "$out"
 # The package's folder at REV: src/cudagraph_td, or cudagraph_td before the src layout.
 folder=src/cudagraph_td
