@@ -52,7 +52,7 @@ def before_changes(result: dict[str, Any], kind: str = "CPU") -> dict[str, tuple
     the change, round by round (both timed in the same round). The floor of a borrowed
     variant is ``floor, borrowed`` where there is one."""
     rounds = result.get("all_us" if kind == "wall" else "all_cpu_us", {})
-    changes = {}
+    changes: dict[str, tuple[list[float], ...]] = {}
     for before, then in rounds.items():
         if not before.startswith(BEFORE):
             continue
