@@ -22,7 +22,8 @@ import sys
 
 CRASHED = {-11, -6, 134, 139}  # SIGSEGV, SIGABRT: as a signal, or as a shell's exit status
 # `tests/test_x.py::test_y[case] PASSED   [ 12%]`, as `pytest -v` reports a test.
-_REPORTED = re.compile(r"^(\S+::\S+?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
+# An id may hold spaces (`test_x[cuda-same tensor]`).
+_REPORTED = re.compile(r"^(\S+::.*?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)(?= |$)")
 
 
 def collected(args: list[str]) -> list[str]:

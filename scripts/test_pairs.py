@@ -16,8 +16,8 @@ import re
 import sys
 from collections import defaultdict
 
-# `tests/test_x.py::test_y[emulate-case] PASSED [ 12%]`
-_LINE = re.compile(r"^(\S+::\S+?)(?:\[(\S+)\])? (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
+# `tests/test_x.py::test_y[emulate-case] PASSED [ 12%]` (a case may hold spaces)
+_LINE = re.compile(r"^(\S+::[^\s\[]+)(?:\[(.+?)\])? (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
 _BACKENDS = ("emulate", "cuda")
 
 
