@@ -212,16 +212,27 @@ def test_a_branch_on_a_tensor_value_fails_at_the_capture(backend: Backend) -> No
 
 
 @requires_cuda
-def test_a_broken_capture_keeps_its_graph_for_the_pinned_allocator() -> None:
-    # A host sync broke the capture: torch's pinned-memory allocator keeps routing it, and
-    # asks its graph, under every later capture, whether that capture is its own. Freed,
-    # the graph would leave a dangling pointer there; the library keeps it.
+def test_a_broken_capture_keeps_its_graph_where_torch_left_its_routing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A host sync broke the capture. Where torch left the allocators' routing of it (2.11),
+    # the pinned-memory allocator's stays, and asks the graph, under every later capture,
+    # whether that capture is its own: the library keeps the graph, never a dangling pointer
+    # there. Where torch ended its routings itself, nothing is kept.
+    ended_here = []
+    end = _compat.end_allocate_to_pool
+
+    def recording(device: torch.device, pool: Any) -> None:
+        end(device, pool)  # raises where torch ended it
+        ended_here.append(pool)
+
+    monkeypatch.setattr(_compat, "end_allocate_to_pool", recording)
     before = list(_compat.BROKEN_CAPTURES)
     graphed = CudaGraphModule(lambda x: x * 2 if x.sum() > 0 else x * 3, warmup=1)
     with pytest.raises(RuntimeError, match="synchronises the host"):
         graphed(torch.rand(2, device="cuda"))
-    assert len(_compat.BROKEN_CAPTURES) == len(before) + 1
     assert _compat.BROKEN_CAPTURES[: len(before)] == before  # the same graphs, kept
+    assert len(_compat.BROKEN_CAPTURES) == len(before) + len(ended_here)
     # A later capture that pins memory (`.item()` pins its scalar) is refused as ever.
     item = CudaGraphModule(lambda x: x * x.sum().item(), warmup=1)
     with pytest.raises(RuntimeError, match="synchronises the host"):

@@ -259,23 +259,28 @@ def end_failed_capture(graph: torch.cuda.CUDAGraph, device: torch.device, pool: 
 
     An error raised before the first kernel leaves the capture empty, and it ends as any
     other. An error that broke the capture (a host sync, say) also invalidated it: ending it
-    raises again, and torch raises before the end of its own bookkeeping. The allocator's
-    routing of the stream into the pool is then ended (`end_allocate_to_pool`, nothing if
-    torch ended it), and the CUDA generator's mark as capturing, which fails the next random
-    op outside a graph ("Offset increment outside graph capture encountered unexpectedly"),
-    is cleared by a capture of one kernel on the current stream that ends well. Checked on
-    CUDA by every test's teardown (``tests/conftest.py``).
+    raises again. torch 2.11 raises before the end of its own bookkeeping: the allocator's
+    routing of the stream into the pool is ended here (`end_allocate_to_pool`; newer
+    versions end it themselves, and the call then raises "not currently recording"), and the
+    CUDA generator's mark as capturing, which fails the next random op outside a graph
+    ("Offset increment outside graph capture encountered unexpectedly"), is cleared by a
+    capture of one kernel on the current stream that ends well. Checked on CUDA by every
+    test's teardown (``tests/conftest.py``).
 
-    The pinned-memory allocator's routing of the capture stays (no binding of torch's ends
-    it): it asks the graph, at each pinned allocation under a later capture (``.item()``
-    pins its scalar), whether that capture is its own. So the graph is kept for the process
-    (`BROKEN_CAPTURES`): freed, it would leave that question to a dangling pointer."""
+    Where torch left the allocator's routing, it left the pinned-memory allocator's too,
+    which no binding ends: at each pinned allocation under a later capture (``.item()`` pins
+    its scalar) it asks the graph whether that capture is its own. The graph is then kept
+    for the process (`BROKEN_CAPTURES`): freed, it would leave that question to a dangling
+    pointer."""
     try:
         end_capture(graph)
     except RuntimeError:
-        BROKEN_CAPTURES.append(graph)
-        with contextlib.suppress(RuntimeError):  # "not currently recording": torch ended it
+        try:
             end_allocate_to_pool(device, pool)
+        except RuntimeError:  # "not currently recording": torch ended its routings itself
+            pass
+        else:
+            BROKEN_CAPTURES.append(graph)
         one_node_graph(device)
 
 
