@@ -529,3 +529,46 @@ def test_a_memoryless_wrapper_subclass_storage_raises_the_matched_message() -> N
     wrapped = Wrapper(torch.zeros(3))
     with pytest.raises(RuntimeError, match=_compat.NO_MEMORY):
         torch.Tensor.untyped_storage(wrapped).data_ptr()
+
+
+class _Graph:
+    """A stand-in for ``torch.cuda.CUDAGraph`` whose ``capture_end`` raises ``error``."""
+
+    def __init__(self, error: BaseException | None):
+        self.error = error
+
+    def capture_end(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.mark.parametrize("torch_ended_it", [False, True], ids=["routing left", "routing ended"])
+def test_a_broken_capture_keeps_its_graph_where_torch_left_its_routing(
+    monkeypatch: pytest.MonkeyPatch, torch_ended_it: bool
+) -> None:
+    # The rule of `end_failed_capture`, on the CPU with stand-ins for torch's calls (CUDA
+    # runs it for real: tests/test_capture.py): a capture whose end raises keeps its graph
+    # where the allocator's routing was still there to end, and only there; the generator's
+    # mark is cleared either way.
+    ended: list[Any] = []
+
+    def end_allocate_to_pool(device: torch.device, pool: Any) -> None:
+        if torch_ended_it:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+        ended.append(pool)
+
+    cleared: list[torch.device] = []
+    monkeypatch.setattr(_compat, "end_allocate_to_pool", end_allocate_to_pool)
+    monkeypatch.setattr(_compat, "one_node_graph", cleared.append)
+    monkeypatch.setattr(_compat, "BROKEN_CAPTURES", [])
+    broken = _Graph(RuntimeError("operation not permitted when stream is capturing"))
+    device = torch.device("cuda", 0)
+    _compat.end_failed_capture(broken, device, "pool")  # type: ignore[arg-type]
+    kept: list[Any] = _compat.BROKEN_CAPTURES
+    assert kept == ([] if torch_ended_it else [broken])
+    assert ended == ([] if torch_ended_it else ["pool"])
+    assert cleared == [device]
+    # A capture that ends (an error before its first kernel): nothing to undo, nothing kept.
+    _compat.end_failed_capture(_Graph(None), device, "pool")  # type: ignore[arg-type]
+    assert len(kept) == (0 if torch_ended_it else 1)
+    assert cleared == [device]
