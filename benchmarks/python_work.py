@@ -78,6 +78,12 @@ def calls(library: ModuleType) -> dict[str, Callable[[], Any]]:
         backend="emulate",
         shapes=library.Buckets([4, 8]),  # type: ignore[attr-defined]
     )
+    # Exact shapes (f exact): a graph per batch size.
+    exact = wrap(
+        TensorDictModule(torch.nn.Linear(4, 2), ["obs"], ["action"]),
+        backend="emulate",
+        shapes=library.Exact(max_graphs=64),  # type: ignore[attr-defined]
+    )
     found = {
         "a. a function of one tensor": (lambda: function(x), False),
         "c. a policy, module(td)": (lambda: policy(td), False),
@@ -86,6 +92,7 @@ def calls(library: ModuleType) -> dict[str, Callable[[], Any]]:
         "c. borrowed, in place": (lambda: lent(obs=x), False),
         "c. borrowed, in place, (td)": (lambda: lent_td(td), False),
         "f. buckets, 3 rows of 4": (lambda: buckets(td), False),
+        "f. exact shapes": (lambda: exact(td), False),
     }
     ready = {}
     for name, (call, grad_mode) in found.items():
