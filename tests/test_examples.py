@@ -108,6 +108,7 @@ def test_the_python_work_of_a_replay_is_counted(scripts: dict[str, dict[str, Any
         "c. borrowed, in place",
         "c. borrowed, in place, (td)",
         "f. buckets, 3 rows of 4",
+        "f. exact shapes",
     ]
     assert all(int(row.split()[-1]) > 0 for row in rows)  # frames entered
 
