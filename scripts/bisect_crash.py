@@ -15,10 +15,13 @@ run is a process of its own, with Python's faulthandler on: its last lines are p
 from __future__ import annotations
 
 import argparse
+import pathlib
 import subprocess
 import sys
 
-CRASHED = {-11, -6, 134, 139}  # SIGSEGV, SIGABRT: as a signal, or as a shell's exit status
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from pytest_through_crashes import CRASHED, collected
 
 
 def crashes(files: list[str], target: str, options: list[str]) -> bool:
@@ -34,13 +37,7 @@ def crashes(files: list[str], target: str, options: list[str]) -> bool:
 
 def files_before(target: str) -> list[str]:
     """The test files that pytest collects before ``target``'s file, in its order."""
-    listed = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.splitlines()
-    files = list(dict.fromkeys(line.split("::")[0] for line in listed if "::" in line))
+    files = list(dict.fromkeys(test.split("::")[0] for test in collected(["tests"])))
     return files[: files.index(target.split("::")[0])]
 
 

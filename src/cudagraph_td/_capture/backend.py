@@ -11,7 +11,6 @@ input that is not copied in) fails on a machine without a GPU too.
 from __future__ import annotations
 
 import contextlib
-import gc
 import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -236,10 +235,6 @@ class CudaBackend:
         # "global" error mode another stream's work would make the capture fail.
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        # A garbage collection during the capture can free tensors of other streams, whose
-        # deallocation is illegal while a stream captures (pytorch#161037): hold it off.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
         # torch.distributions checks its arguments with a host sync, which no graph can
         # capture; the eager warm-up and capturing calls have checked them already.
         validate_args = distributions_validate_args()
@@ -253,7 +248,11 @@ class CudaBackend:
         if self.borrow:  # lent outputs in memory that no other graph's replay writes
             fn = _into_own_memory(fn, like, self.device)
         try:
-            with torch.cuda.stream(self._stream), _no_autocast_cache():
+            with (
+                _sharing.collection_held_off(),
+                torch.cuda.stream(self._stream),
+                _no_autocast_cache(),
+            ):
                 # The graph records the workspace's address: one of the library's own, never
                 # one that another graph or eager work made (see `_capture.sharing`).
                 _sharing.workspace(self.device).ensure()
@@ -273,8 +272,6 @@ class CudaBackend:
             raise
         finally:
             torch.distributions.Distribution.set_default_validate_args(validate_args)
-            if gc_was_enabled:
-                gc.enable()
         if self.agreement is not None:  # raises if another rank's capture failed
             self.agreement.outcome(None)
         return graph, out

@@ -29,15 +29,32 @@ replay slips between another's order check and its launch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from .. import _compat
 from .._compat import raw_stream  # on the replay path: one global read
+
+
+@contextlib.contextmanager
+def collection_held_off() -> Iterator[None]:
+    """Garbage collection held off, for a capture: a collection during one can free tensors
+    of other streams, whose deallocation is illegal while a stream captures (pytorch#161037).
+    Turned back on after it, if it was on, whatever the capture raised."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
 
 REPLAY_LOCK = threading.RLock()
 """The lock of every wrapper's call (re-entrant: a function may call another wrapper)."""
@@ -129,26 +146,21 @@ class Workspace:
             if self._owned_alive():
                 return
             self._make_handles()
-            # A garbage collection during a priming capture can free tensors of other
-            # streams, whose deallocation is illegal while a stream captures (pytorch#161037):
-            # held off, as for every capture (the warm-up primes with it on).
-            gc_was_enabled = gc.isenabled()
-            gc.disable()
             try:
-                # A priming that finds the stream's entry made elsewhere: only a clear
-                # removes it, and the priming runs again. After two, the clear leaves the
-                # capture to make a workspace of its own: nothing made elsewhere is left.
-                for _attempt in range(2):
-                    if self._prime():
-                        return
-                    self._forget()
+                # The warm-up primes too, with garbage collection on: held off here.
+                with collection_held_off():
+                    # A priming that finds the stream's entry made elsewhere: only a clear
+                    # removes it, and the priming runs again. After two, the clear leaves
+                    # the capture to make a workspace of its own: nothing made elsewhere is
+                    # left.
+                    for _attempt in range(2):
+                        if self._prime():
+                            return
+                        self._forget()
             except Exception:
                 # A priming that fails (out of memory, say) leaves the capture to make a
                 # workspace of its own, in its pool: nothing made elsewhere is left to it.
                 self._forget()
-            finally:
-                if gc_was_enabled:
-                    gc.enable()
 
     def _forget(self) -> None:
         _compat.clear_cublas_workspaces()
