@@ -11,6 +11,10 @@ test has run. Its output is pytest's, run after run (``-v`` lines, which
 Exit status: 0 if every run passed, 1 if a test failed or crashed. A ``-q`` among the
 arguments is dropped (the ``-v`` lines say which tests ran). The tests after a crash run in a
 fresh process: what earlier tests left behind is gone there.
+
+With ``CRASH_DEBUGGER`` set to a gdb (``/usr/local/cuda/bin/cuda-gdb`` on the GPU machine),
+each run runs under it: at a crash it prints every thread's native stack (faulthandler shows
+only Python frames, and none of a crash in torch's C++), and the run counts as crashed.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ CRASHED = {-11, -6, 134, 139}  # SIGSEGV, SIGABRT: as a signal, or as a shell's 
 # `tests/test_x.py::test_y[case] PASSED   [ 12%]`, as `pytest -v` reports a test.
 # An id may hold spaces (`test_x[cuda-same tensor]`).
 _REPORTED = re.compile(r"^(\S+::.*?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)(?= |$)")
+# gdb's line at a fatal signal: `Thread 1 "python3" received signal SIGSEGV, ...`.
+_SIGNALLED = re.compile(r"received signal (SIGSEGV|SIGABRT|SIGBUS|SIGILL|SIGFPE)\b")
+SIGNALLED_STATUS = -11  # a run that gdb saw crash counts as crashed, whatever gdb exits with
 
 
 def collected(args: list[str]) -> list[str]:
@@ -40,22 +47,25 @@ def collected(args: list[str]) -> list[str]:
 def run(args: list[str]) -> tuple[int, set[str], dict[str, int]]:
     """One pytest run, its output passed through: its exit status, the tests it reported,
     and how many of each outcome it reported (a crashed run writes no summary)."""
-    process = subprocess.Popen(
-        [sys.executable, "-X", "faulthandler", "-m", "pytest", "-v", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    command = [sys.executable, "-X", "faulthandler", "-m", "pytest", "-v", *args]
+    debugger = os.environ.get("CRASH_DEBUGGER")
+    if debugger:  # stops at the signal, before faulthandler: the native stacks, then out
+        steps = ("-ex", "set pagination off", "-ex", "run", "-ex", "thread apply all bt 40")
+        command = [debugger, "-q", "-batch", *steps, "--args", *command]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     reported: set[str] = set()
     counts: dict[str, int] = {}
+    signalled = False
     assert process.stdout is not None
     for line in process.stdout:
         sys.stdout.write(line)
         if found := _REPORTED.match(line):
             reported.add(found[1])
             counts[found[2].lower()] = counts.get(found[2].lower(), 0) + 1
+        signalled = signalled or bool(debugger and _SIGNALLED.search(line))
     sys.stdout.flush()
-    return process.wait(), reported, counts
+    status = process.wait()
+    return (SIGNALLED_STATUS if signalled else status), reported, counts
 
 
 def main() -> None:

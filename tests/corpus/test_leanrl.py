@@ -176,6 +176,7 @@ def check(
     if backend.name != "cuda":
         record("tensordict", "not run", "needs CUDA", backend=backend.name)
         return
+    first_pool = _next_pool_number(backend.device)
     theirs = _tensordicts()
     try:
         with warnings.catch_warnings():  # tensordict's and torch's own, theirs to settle
@@ -183,29 +184,41 @@ def check(
             got = run(theirs)
     except Exception as err:  # recorded, not raised: another wrapper's outcome
         record("tensordict", "raises", _first_line(err), backend=backend.name)
-        _end_failed_captures(theirs.made, backend.device)
+        _end_failed_captures(theirs.made, backend.device, first_pool)
         return
     record("tensordict", *compare(got, eager, split, why, atol), backend=backend.name)
 
 
-def _end_failed_captures(wrappers: list[Any], device: torch.device) -> None:
-    """Undo what a capture that failed inside ``torch.cuda.graph`` (tensordict's class
-    captures with it) leaves behind on torch 2.13, for the tests that follow, as the library
-    does for its own (`_capture.backend.CudaBackend._end_failed_capture`): the allocator
-    still routes the capture stream's allocations to the graph's pool, and the CUDA generator
-    is still marked as capturing (the next random operation would fail)."""
-    for wrapper in wrappers:
-        graph = getattr(wrapper, "graph", None)
-        if graph is not None:
-            with contextlib.suppress(RuntimeError):  # not routing: that capture ended well
-                _compat.end_allocate_to_pool(device, graph.pool())
-    scratch = torch.empty(1, device=device)
+# The graphs of tensordict's captures that failed, kept for the process. torch 2.11 leaves
+# both allocators routing a failed capture's allocations to its pool, through a filter that
+# reads its graph (pytorch#180395; fixed in 2.12): freed, that graph would leave a dangling
+# pointer there, which a later CUDAGraph made at the same address answers to, and whose
+# capture would then allocate in the failed one's pool, beside whatever else has.
+FAILED_CAPTURES: list[Any] = []
+
+
+def _next_pool_number(device: torch.device) -> int:
+    """``n`` of the id ``(n, 0)`` of the pool that the next capture without a pool given
+    will make for itself, read from a capture of one kernel. That capture ends well, which
+    also clears the CUDA generator's mark as capturing that a failed capture leaves (the next
+    random operation outside a graph would fail)."""
     torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(torch.cuda.Stream(device)):  # never on the default stream
-        graph.capture_begin()  # a capture that ends well clears the generator's mark
-        scratch.zero_()
-        graph.capture_end()
+        return int(_compat.one_node_graph(device).pool()[0]) + 1
+
+
+def _end_failed_captures(wrappers: list[Any], device: torch.device, first_pool: int) -> None:
+    """Undo what captures that failed inside ``torch.cuda.graph`` (tensordict's class
+    captures with it, each into a pool of its own) leave behind on torch 2.11, for the tests
+    that follow, as the library does for its own (`_compat.end_failed_capture`): the caching
+    allocator's routing of each pool made since ``first_pool`` that is still routed (a
+    failed capture's: ``graph.pool()`` refuses to name it), and the graphs, kept."""
+    FAILED_CAPTURES.extend(
+        graph for wrapper in wrappers if (graph := getattr(wrapper, "graph", None)) is not None
+    )
+    for number in range(first_pool, _next_pool_number(device)):
+        with contextlib.suppress(RuntimeError):  # not routed: its capture ended well
+            _compat.end_allocate_to_pool(device, (number, 0))
 
 
 def _first_line(err: BaseException) -> str:
