@@ -191,7 +191,7 @@ def check(
 
 # The graphs of tensordict's captures that failed, kept for the process. torch 2.11 leaves
 # both allocators routing a failed capture's allocations to its pool, through a filter that
-# reads its graph (pytorch#180395; fixed in 2.12): freed, that graph would leave a dangling
+# reads its graph (pytorch#180395 ends them first): freed, that graph would leave a dangling
 # pointer there, which a later CUDAGraph made at the same address answers to, and whose
 # capture would then allocate in the failed one's pool, beside whatever else has.
 FAILED_CAPTURES: list[Any] = []
