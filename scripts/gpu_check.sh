@@ -13,6 +13,7 @@
 #   TESTS=0 TORCHRL=0 SOAK=0 MJW=1 MJW_BENCH=0 MJW_PPO=1 bash scripts/gpu_check.sh  # its PPO
 #   TESTS=0 TORCHRL=0 SOAK=0 MJW=1 MJW_BENCH=0 MJW_PPO_APART=1 bash scripts/gpu_check.sh  # seeds apart
 #   CRASH_DEBUGGER=/usr/local/cuda/bin/cuda-gdb bash scripts/gpu_check.sh  # native stacks at a crash
+#   CRASH_STACKS=torch bash scripts/gpu_check.sh  # the same from torch's handler, at full speed
 # It installs the wheels that ../shared/gpu/fetch-wheels.sh put in .whl/ (if any), and writes
 # its logs to $OUT (or ./gpu-logs when OUT is unset); test-pairs.log pairs each test body's
 # outcome on the emulation with its outcome on CUDA (scripts/test_pairs.py). With wheels in

@@ -15,6 +15,11 @@ fresh process: what earlier tests left behind is gone there.
 With ``CRASH_DEBUGGER`` set to a gdb (``/usr/local/cuda/bin/cuda-gdb`` on the GPU machine),
 each run runs under it: at a crash it prints every thread's native stack (faulthandler shows
 only Python frames, and none of a crash in torch's C++), and the run counts as crashed.
+A debugger slows a CUDA run (the suite's first 57% took 380 s under cuda-gdb on an H200) and
+can hide a crash that depends on timing. ``CRASH_STACKS=torch`` costs nothing until the
+crash: torch's own fatal-signal handler (``torch._C._set_print_stack_traces_on_fatal_signal``)
+prints every thread's native stack, and pytest captures ``sys`` only (``--capture=sys``), so
+that what the handler writes to the process's stderr is not lost with the captured output.
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ _REPORTED = re.compile(r"^(\S+::.*?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)(?
 # gdb's line at a fatal signal: `Thread 1 "python3" received signal SIGSEGV, ...`.
 _SIGNALLED = re.compile(r"received signal (SIGSEGV|SIGABRT|SIGBUS|SIGILL|SIGFPE)\b")
 SIGNALLED_STATUS = -11  # a run that gdb saw crash counts as crashed, whatever gdb exits with
+# pytest, with torch's handler of fatal signals printing every thread's native stack.
+_TORCH_STACKS = (
+    "import sys, torch; torch._C._set_print_stack_traces_on_fatal_signal(True); "
+    "import pytest; sys.exit(pytest.main(sys.argv[1:]))"
+)
 
 
 def collected(args: list[str]) -> list[str]:
@@ -48,6 +58,9 @@ def run(args: list[str]) -> tuple[int, set[str], dict[str, int]]:
     """One pytest run, its output passed through: its exit status, the tests it reported,
     and how many of each outcome it reported (a crashed run writes no summary)."""
     command = [sys.executable, "-X", "faulthandler", "-m", "pytest", "-v", *args]
+    if os.environ.get("CRASH_STACKS") == "torch":
+        command = [sys.executable, "-X", "faulthandler", "-c", _TORCH_STACKS, "-v"]
+        command += ["--capture=sys", *args]
     debugger = os.environ.get("CRASH_DEBUGGER")
     if debugger:  # stops at the signal, before faulthandler: the native stacks, then out
         steps = ("-ex", "set pagination off", "-ex", "run", "-ex", "thread apply all bt 40")

@@ -1,6 +1,7 @@
 """The GPU check's crash tools work where the GPU machine needs them: ``scripts/
 pytest_through_crashes.py`` counts a whole suite past a test that crashes the process, and
-under a debugger (``CRASH_DEBUGGER``) shows that test's native stack."""
+under a debugger (``CRASH_DEBUGGER``) or torch's fatal-signal handler (``CRASH_STACKS``)
+shows that test's native stack."""
 
 from __future__ import annotations
 
@@ -61,5 +62,16 @@ def test_under_a_debugger_a_crash_shows_its_native_stack(tmp_path: pathlib.Path)
     assert run.returncode == 1, run.stdout
     assert "received signal SIGSEGV" in run.stdout, run.stdout
     assert "string_at" in run.stdout  # the native frame that crashed
+    assert "== through crashes: 1 failed, 2 passed, 1 crashed" in run.stdout, run.stdout
+    assert "== crashed: test_suite.py::test_crashes" in run.stdout
+
+
+def test_with_torchs_handler_a_crash_shows_every_threads_native_stack(
+    tmp_path: pathlib.Path,
+) -> None:
+    run = _through_crashes(tmp_path, CRASH_STACKS="torch")
+    assert run.returncode == 1, run.stdout
+    assert "SIGSEGV(11)" in run.stdout, run.stdout  # torch's handler, past pytest's capture
+    assert "_ctypes" in run.stdout  # the native frames of the crash
     assert "== through crashes: 1 failed, 2 passed, 1 crashed" in run.stdout, run.stdout
     assert "== crashed: test_suite.py::test_crashes" in run.stdout
