@@ -81,6 +81,19 @@ def run(args: list[str]) -> tuple[int, set[str], dict[str, int]]:
     return (SIGNALLED_STATUS if signalled else status), reported, counts
 
 
+def as_collected(reported: set[str], ids: list[str]) -> set[str]:
+    """The collected ids of the tests ``reported``. Output that a test writes to the process's
+    own stdout or stderr (with ``CRASH_STACKS``, which captures ``sys`` only) lands inside its
+    ``-v`` line, before the outcome: that line's id is the collected one it starts with."""
+    known = set(ids)
+    found = {test for test in reported if test in known}
+    for test in reported - found:
+        starts = [i for i in ids if test.startswith(i + " ")]
+        if starts:
+            found.add(max(starts, key=len))
+    return found
+
+
 def main() -> None:
     # -v, always: its lines say which tests ran (a -q would cancel it).
     args = [a for a in sys.argv[1:] if a not in ("-q", "--quiet")]
@@ -95,10 +108,12 @@ def main() -> None:
             totals[kind] = totals.get(kind, 0) + number
         if status not in CRASHED:
             break
-        left = [i for i in ids if i not in reported]
+        # The test after the last one reported was running at the crash.
+        done = [k for k, test in enumerate(ids) if test in as_collected(reported, ids)]
+        left = ids[done[-1] + 1 :] if done else ids
         if not left:
             break
-        crashed.append(left[0])  # the first test not reported: the one running at the crash
+        crashed.append(left[0])
         print(f"\n== CRASHED (exit {status}): {left[0]}; running the {len(left) - 1} after it\n")
         ids = left[1:]
         if not ids:

@@ -36,8 +36,27 @@ def test_fails():
 """
 
 
-def _through_crashes(folder: pathlib.Path, **env: str) -> subprocess.CompletedProcess[str]:
-    (folder / "test_suite.py").write_text(SUITE)
+# With torch's handler (``CRASH_STACKS``) pytest captures ``sys`` only: what a test writes to
+# the process's stdout itself lands inside its ``-v`` line.
+NOISY_SUITE = """
+import ctypes
+import os
+
+def test_noisy():
+    os.write(1, b"noise ")
+
+def test_crashes():
+    ctypes.string_at(0)
+
+def test_after():
+    pass
+"""
+
+
+def _through_crashes(
+    folder: pathlib.Path, suite: str = SUITE, **env: str
+) -> subprocess.CompletedProcess[str]:
+    (folder / "test_suite.py").write_text(suite)
     return subprocess.run(
         [sys.executable, str(SCRIPT), "-q", "-p", "no:cacheprovider", "test_suite.py"],
         cwd=folder,
@@ -75,3 +94,10 @@ def test_with_torchs_handler_a_crash_shows_every_threads_native_stack(
     assert "_ctypes" in run.stdout  # the native frames of the crash
     assert "== through crashes: 1 failed, 2 passed, 1 crashed" in run.stdout, run.stdout
     assert "== crashed: test_suite.py::test_crashes" in run.stdout
+
+
+def test_output_inside_a_tests_line_does_not_move_the_crash_to_it(tmp_path: pathlib.Path) -> None:
+    run = _through_crashes(tmp_path, NOISY_SUITE, CRASH_STACKS="torch")
+    assert "test_suite.py::test_noisy noise PASSED" in run.stdout, run.stdout
+    assert "== crashed: test_suite.py::test_crashes" in run.stdout, run.stdout
+    assert "== through crashes: 2 passed, 1 crashed" in run.stdout, run.stdout
