@@ -42,9 +42,11 @@ if [ "${TESTS:-1}" = 1 ]; then
   # corpus.jsonl, and scripts/corpus_table.py makes the docs' table of it.
   rm -f "$report"
   # Through crashes: a test that crashes the process is reported, and the tests after it
-  # run in a fresh one (scripts/pytest_through_crashes.py).
+  # run in a fresh one (scripts/pytest_through_crashes.py). The slowest tests are listed:
+  # the device time of a session is short.
   CORPUS_REPORT="$report" CATALOG_EXAMPLES=${CATALOG_EXAMPLES:-200} \
-    python3 scripts/pytest_through_crashes.py -p no:cacheprovider tests src/cudagraph_td "$@" \
+    python3 scripts/pytest_through_crashes.py -p no:cacheprovider --durations=30 \
+    tests src/cudagraph_td "$@" \
     2>&1 | tee "$out/gpu-tests.log" || status=1
   # Each test body's outcome on the emulation beside CUDA's (the hazard files in the table).
   python3 scripts/test_pairs.py "$out/gpu-tests.log" tests/test_capture.py tests/test_recording.py \
