@@ -33,6 +33,12 @@ CRASHED = {-11, -6, 134, 139}  # SIGSEGV, SIGABRT: as a signal, or as a shell's 
 # `tests/test_x.py::test_y[case] PASSED   [ 12%]`, as `pytest -v` reports a test.
 # An id may hold spaces (`test_x[cuda-same tensor]`).
 _REPORTED = re.compile(r"^(\S+::.*?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)(?= |$)")
+# The outcome that ends a test's `-v` line: `PASSED   [ 12%]`, `SKIPPED (reason) [ 3%]`.
+_OUTCOME = re.compile(r"\b(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)(?: \(.*\))? *(?:\[ *\d+%\])?$")
+# pytest's last line: `=== 3 passed, 1 skipped, 2 warnings in 0.12s (0:00:00) ===`.
+_SUMMARY = re.compile(r"^=+ (.+) in [\d.]+s\b.*=+$")
+_KINDS = {"passed": "passed", "failed": "failed", "skipped": "skipped", "error": "error"}
+_KINDS |= {"errors": "error", "xfailed": "xfail", "xpassed": "xpass"}
 # gdb's line at a fatal signal: `Thread 1 "python3" received signal SIGSEGV, ...`.
 _SIGNALLED = re.compile(r"received signal (SIGSEGV|SIGABRT|SIGBUS|SIGILL|SIGFPE)\b")
 SIGNALLED_STATUS = -11  # a run that gdb saw crash counts as crashed, whatever gdb exits with
@@ -54,9 +60,35 @@ def collected(args: list[str]) -> list[str]:
     return [line for line in listed if "::" in line and not line.startswith(" ")]
 
 
-def run(args: list[str]) -> tuple[int, set[str], dict[str, int]]:
-    """One pytest run, its output passed through: its exit status, the tests it reported,
-    and how many of each outcome it reported (a crashed run writes no summary)."""
+def _test_of(line: str, ids: list[str]) -> str | None:
+    """The collected id that a ``-v`` line starts with (the longest: ids may hold spaces)."""
+    if "::" not in line:
+        return None
+    starts = [i for i in ids if line == i or line.startswith(i + " ")]
+    return max(starts, key=len) if starts else None
+
+
+def _summary(line: str) -> dict[str, int] | None:
+    """The counts of pytest's last line (``== 3 passed, 1 skipped in 0.1s ==``), if it is."""
+    if not (found := _SUMMARY.match(line.strip())):
+        return None
+    counts: dict[str, int] = {}
+    for number, word in re.findall(r"(\d+) (\w+)", found[1]):
+        if word in _KINDS:
+            counts[_KINDS[word]] = counts.get(_KINDS[word], 0) + int(number)
+    return counts
+
+
+def run(args: list[str], ids: list[str]) -> tuple[int, set[str], dict[str, int]]:
+    """One pytest run of the tests ``ids``, its output passed through: its exit status, the
+    tests it reported, and how many of each outcome: pytest's own summary where the run
+    ended, else (a crashed run writes none) its ``-v`` lines.
+
+    A test's ``-v`` line is its id, then its outcome. Output that the test writes to the
+    process's own stdout or stderr (which ``CRASH_STACKS`` lets through: it captures ``sys``
+    only) lands between the two, on that line or on lines of its own: the outcome still
+    counts for the id before it.
+    """
     command = [sys.executable, "-X", "faulthandler", "-m", "pytest", "-v", *args]
     if os.environ.get("CRASH_STACKS") == "torch":
         command = [sys.executable, "-X", "faulthandler", "-c", _TORCH_STACKS, "-v"]
@@ -68,30 +100,27 @@ def run(args: list[str]) -> tuple[int, set[str], dict[str, int]]:
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     reported: set[str] = set()
     counts: dict[str, int] = {}
+    summary: dict[str, int] | None = None
+    running: str | None = None  # the test whose line has begun and not yet ended
     signalled = False
     assert process.stdout is not None
     for line in process.stdout:
         sys.stdout.write(line)
-        if found := _REPORTED.match(line):
-            reported.add(found[1])
-            counts[found[2].lower()] = counts.get(found[2].lower(), 0) + 1
+        text = line.rstrip("\n")
+        if test := _test_of(text, ids):
+            running, text = test, text[len(test) :]
+        elif not ids and (found := _REPORTED.match(text)):  # nothing collected: the line's id
+            running, text = found[1], text[len(found[1]) :]
+        outcome = _OUTCOME.search(text) if running else None
+        if running and outcome:
+            reported.add(running)
+            counts[outcome[1].lower()] = counts.get(outcome[1].lower(), 0) + 1
+            running = None
+        summary = _summary(text) or summary
         signalled = signalled or bool(debugger and _SIGNALLED.search(line))
     sys.stdout.flush()
     status = process.wait()
-    return (SIGNALLED_STATUS if signalled else status), reported, counts
-
-
-def as_collected(reported: set[str], ids: list[str]) -> set[str]:
-    """The collected ids of the tests ``reported``. Output that a test writes to the process's
-    own stdout or stderr (with ``CRASH_STACKS``, which captures ``sys`` only) lands inside its
-    ``-v`` line, before the outcome: that line's id is the collected one it starts with."""
-    known = set(ids)
-    found = {test for test in reported if test in known}
-    for test in reported - found:
-        starts = [i for i in ids if test.startswith(i + " ")]
-        if starts:
-            found.add(max(starts, key=len))
-    return found
+    return (SIGNALLED_STATUS if signalled else status), reported, summary or counts
 
 
 def main() -> None:
@@ -102,14 +131,14 @@ def main() -> None:
     ids = collected(args)
     totals: dict[str, int] = {}
     crashed: list[str] = []
-    status, reported, counts = run(args)
+    status, reported, counts = run(args, ids)
     while True:
         for kind, number in counts.items():
             totals[kind] = totals.get(kind, 0) + number
         if status not in CRASHED:
             break
         # The test after the last one reported was running at the crash.
-        done = [k for k, test in enumerate(ids) if test in as_collected(reported, ids)]
+        done = [k for k, test in enumerate(ids) if test in reported]
         left = ids[done[-1] + 1 :] if done else ids
         if not left:
             break
@@ -118,7 +147,7 @@ def main() -> None:
         ids = left[1:]
         if not ids:
             break
-        status, reported, counts = run([*options, *ids])
+        status, reported, counts = run([*options, *ids], ids)
     failed = status not in (0, 5) or bool(crashed) or totals.get("failed", 0) > 0
     failed = failed or totals.get("error", 0) > 0
     summary = ", ".join(f"{n} {kind}" for kind, n in sorted(totals.items()))

@@ -45,6 +45,9 @@ import os
 def test_noisy():
     os.write(1, b"noise ")
 
+def test_warns():
+    os.write(1, b"warned\\n")  # as a C++ warning prints, on a line of its own
+
 def test_crashes():
     ctypes.string_at(0)
 
@@ -99,5 +102,6 @@ def test_with_torchs_handler_a_crash_shows_every_threads_native_stack(
 def test_output_inside_a_tests_line_does_not_move_the_crash_to_it(tmp_path: pathlib.Path) -> None:
     run = _through_crashes(tmp_path, NOISY_SUITE, CRASH_STACKS="torch")
     assert "test_suite.py::test_noisy noise PASSED" in run.stdout, run.stdout
+    assert "test_suite.py::test_warns warned\nPASSED" in run.stdout, run.stdout
     assert "== crashed: test_suite.py::test_crashes" in run.stdout, run.stdout
-    assert "== through crashes: 2 passed, 1 crashed" in run.stdout, run.stdout
+    assert "== through crashes: 3 passed, 1 crashed" in run.stdout, run.stdout
