@@ -13,8 +13,9 @@ arguments is dropped (the ``-v`` lines say which tests ran). The tests after a c
 fresh process: what earlier tests left behind is gone there.
 
 With ``CRASH_DEBUGGER`` set to a gdb (``/usr/local/cuda/bin/cuda-gdb`` on the GPU machine),
-each run runs under it: at a crash it prints every thread's native stack (faulthandler shows
-only Python frames, and none of a crash in torch's C++), and the run counts as crashed.
+each run runs under it: at a crash it prints the crashed thread's registers and the
+instructions at the fault, and every thread's native stack (faulthandler shows only Python
+frames, and none of a crash in torch's C++), and the run counts as crashed.
 A debugger slows a CUDA run (the suite's first 57% took 380 s under cuda-gdb on an H200) and
 can hide a crash that depends on timing. ``CRASH_STACKS=torch`` costs nothing until the
 crash: torch's own fatal-signal handler (``torch._C._set_print_stack_traces_on_fatal_signal``)
@@ -42,6 +43,10 @@ _KINDS |= {"errors": "error", "xfailed": "xfail", "xpassed": "xpass"}
 # gdb's line at a fatal signal: `Thread 1 "python3" received signal SIGSEGV, ...`.
 _SIGNALLED = re.compile(r"received signal (SIGSEGV|SIGABRT|SIGBUS|SIGILL|SIGFPE)\b")
 SIGNALLED_STATUS = -11  # a run that gdb saw crash counts as crashed, whatever gdb exits with
+# What gdb prints where the run stopped at a fatal signal: the crashed thread's registers and
+# the instructions at the fault (which field of which object it read: a crash inside
+# Python's own loop has no other trace of it), then every thread's native stack.
+_AT_THE_FAULT = ("-ex", "info registers", "-ex", "x/8i $pc", "-ex", "thread apply all bt 40")
 # pytest, with torch's handler of fatal signals printing every thread's native stack.
 _TORCH_STACKS = (
     "import sys, torch; torch._C._set_print_stack_traces_on_fatal_signal(True); "
@@ -94,8 +99,8 @@ def run(args: list[str], ids: list[str]) -> tuple[int, set[str], dict[str, int]]
         command = [sys.executable, "-X", "faulthandler", "-c", _TORCH_STACKS, "-v"]
         command += ["--capture=sys", *args]
     debugger = os.environ.get("CRASH_DEBUGGER")
-    if debugger:  # stops at the signal, before faulthandler: the native stacks, then out
-        steps = ("-ex", "set pagination off", "-ex", "run", "-ex", "thread apply all bt 40")
+    if debugger:  # stops at the signal, before faulthandler: what crashed, then out
+        steps = ("-ex", "set pagination off", "-ex", "run", *_AT_THE_FAULT)
         command = [debugger, "-q", "-batch", *steps, "--args", *command]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     reported: set[str] = set()

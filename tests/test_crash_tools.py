@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -84,6 +85,9 @@ def test_under_a_debugger_a_crash_shows_its_native_stack(tmp_path: pathlib.Path)
     assert run.returncode == 1, run.stdout
     assert "received signal SIGSEGV" in run.stdout, run.stdout
     assert "string_at" in run.stdout  # the native frame that crashed
+    # The registers and the instruction that faulted (gdb marks it with `=>`).
+    assert re.search(r"^rip +0x[0-9a-f]+", run.stdout, re.M), run.stdout
+    assert re.search(r"^=> 0x[0-9a-f]+", run.stdout, re.M), run.stdout
     assert "== through crashes: 1 failed, 2 passed, 1 crashed" in run.stdout, run.stdout
     assert "== crashed: test_suite.py::test_crashes" in run.stdout
 
