@@ -35,7 +35,7 @@ CRASHED = {-11, -6, 134, 139}  # SIGSEGV, SIGABRT: as a signal, or as a shell's 
 # An id may hold spaces (`test_x[cuda-same tensor]`).
 _REPORTED = re.compile(r"^(\S+::.*?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)(?= |$)")
 # The outcome that ends a test's `-v` line: `PASSED   [ 12%]`, `SKIPPED (reason) [ 3%]`.
-_OUTCOME = re.compile(r"\b(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)(?: \(.*\))? *(?:\[ *\d+%\])?$")
+OUTCOME = re.compile(r"\b(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)(?: \(.*\))? *(?:\[ *\d+%\])?$")
 # pytest's last line: `=== 3 passed, 1 skipped, 2 warnings in 0.12s (0:00:00) ===`.
 _SUMMARY = re.compile(r"^=+ (.+) in [\d.]+s\b.*=+$")
 _KINDS = {"passed": "passed", "failed": "failed", "skipped": "skipped", "error": "error"}
@@ -116,7 +116,7 @@ def run(args: list[str], ids: list[str]) -> tuple[int, set[str], dict[str, int]]
             running, text = test, text[len(test) :]
         elif not ids and (found := _REPORTED.match(text)):  # nothing collected: the line's id
             running, text = found[1], text[len(found[1]) :]
-        outcome = _OUTCOME.search(text) if running else None
+        outcome = OUTCOME.search(text) if running else None
         if running and outcome:
             reported.add(running)
             counts[outcome[1].lower()] = counts.get(outcome[1].lower(), 0) + 1

@@ -16,26 +16,37 @@ import re
 import sys
 from collections import defaultdict
 
-# `tests/test_x.py::test_y[emulate-case] PASSED [ 12%]` (a case may hold spaces)
-_LINE = re.compile(r"^(\S+::[^\s\[]+)(?:\[(.+?)\])? (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
+from pytest_through_crashes import OUTCOME
+
+# `tests/test_x.py::test_y[emulate-case] PASSED [ 12%]` (a case may hold spaces): the id,
+# then (on that line, or on a later one where the test's own output came between) its outcome.
+_ID = re.compile(r"^(\S+::[^\s\[]+)(?:\[(.+?)\])?(?= |$)")
 _BACKENDS = ("emulate", "cuda")
 
 
 def pairs(log: str) -> dict[str, dict[str, str]]:
     """Each paired test (its id without the backend) with its outcome on each backend."""
     found: dict[str, dict[str, str]] = defaultdict(dict)
+    running: tuple[str, str | None] | None = None  # the test whose line has no outcome yet
     for line in log.splitlines():
-        match = _LINE.match(line)
-        if match is None or match.group(2) is None:
+        text = line
+        if match := _ID.match(line):
+            running, text = (match[1], match[2]), line[match.end() :]
+        elif line.startswith("="):  # pytest's section lines, and a crash's
+            running = None
+        outcome = OUTCOME.search(text) if running else None
+        if running is None or outcome is None:
             continue
-        test, params, outcome = match.groups()
+        (test, params), running = running, None
+        if params is None:
+            continue
         parts = params.split("-")
         at = next((i for i, p in enumerate(parts) if p in _BACKENDS), None)
         if at is None:
             continue
         backend = parts.pop(at)  # the first one: a case may be named after CUDA too
         rest = "-".join(parts)
-        found[f"{test}[{rest}]" if rest else test][backend] = outcome
+        found[f"{test}[{rest}]" if rest else test][backend] = outcome[1]
     return found
 
 

@@ -1,7 +1,8 @@
 """The GPU check's crash tools work where the GPU machine needs them: ``scripts/
 pytest_through_crashes.py`` counts a whole suite past a test that crashes the process, and
 under a debugger (``CRASH_DEBUGGER``) or torch's fatal-signal handler (``CRASH_STACKS``)
-shows that test's native stack."""
+shows that test's native stack; ``scripts/test_pairs.py`` pairs each test body's outcomes
+on the two backends from such a log."""
 
 from __future__ import annotations
 
@@ -109,3 +110,31 @@ def test_output_inside_a_tests_line_does_not_move_the_crash_to_it(tmp_path: path
     assert "test_suite.py::test_warns warned\nPASSED" in run.stdout, run.stdout
     assert "== crashed: test_suite.py::test_crashes" in run.stdout, run.stdout
     assert "== through crashes: 3 passed, 1 crashed" in run.stdout, run.stdout
+
+
+# A `-v` log as a run under `CRASH_STACKS` writes it: a C++ warning between a test's id and
+# its outcome, and a crash (whose test has no outcome).
+PAIRED_LOG = """\
+tests/test_a.py::test_x[emulate-1] PASSED [  1%]
+tests/test_a.py::test_x[cuda-1] W1129 07:14:23 torch/_logging/_internal.py:1279] ignored
+PASSED [  2%]
+tests/test_a.py::test_y[emulate] SKIPPED (needs a GPU) [  3%]
+tests/test_a.py::test_y[cuda] FAILED [  4%]
+tests/test_a.py::test_z[cuda]
+== CRASHED (exit -11): tests/test_a.py::test_z[cuda]; running the 1 after it
+PASSED [  5%]
+tests/test_a.py::test_z[emulate] PASSED [  6%]
+"""
+
+
+def test_pairs_count_an_outcome_that_a_warning_moved_to_a_line_of_its_own() -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import test_pairs
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    assert test_pairs.pairs(PAIRED_LOG) == {
+        "tests/test_a.py::test_x[1]": {"emulate": "PASSED", "cuda": "PASSED"},
+        "tests/test_a.py::test_y": {"emulate": "SKIPPED", "cuda": "FAILED"},
+        "tests/test_a.py::test_z": {"emulate": "PASSED"},
+    }
