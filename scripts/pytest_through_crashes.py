@@ -29,13 +29,14 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 
 CRASHED = {-11, -6, 134, 139}  # SIGSEGV, SIGABRT: as a signal, or as a shell's exit status
 # `tests/test_x.py::test_y[case] PASSED   [ 12%]`, as `pytest -v` reports a test.
 # An id may hold spaces (`test_x[cuda-same tensor]`).
 _REPORTED = re.compile(r"^(\S+::.*?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)(?= |$)")
 # The outcome that ends a test's `-v` line: `PASSED   [ 12%]`, `SKIPPED (reason) [ 3%]`.
-OUTCOME = re.compile(r"\b(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)(?: \(.*\))? *(?:\[ *\d+%\])?$")
+_OUTCOME = re.compile(r"\b(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)(?: \(.*\))? *(?:\[ *\d+%\])?$")
 # pytest's last line: `=== 3 passed, 1 skipped, 2 warnings in 0.12s (0:00:00) ===`.
 _SUMMARY = re.compile(r"^=+ (.+) in [\d.]+s\b.*=+$")
 _KINDS = {"passed": "passed", "failed": "failed", "skipped": "skipped", "error": "error"}
@@ -73,6 +74,37 @@ def _test_of(line: str, ids: list[str]) -> str | None:
     return max(starts, key=len) if starts else None
 
 
+def _reported_id(line: str) -> str | None:
+    """The id that a ``-v`` line with its outcome starts with (nothing collected to match)."""
+    found = _REPORTED.match(line)
+    return found[1] if found else None
+
+
+class VerboseLines:
+    """Reads ``pytest -v`` output a line at a time: a test's line is its id, then its
+    outcome. Output that the test writes to the process's own stdout or stderr (a C++
+    warning, which ``CRASH_STACKS`` lets through: it captures ``sys`` only) lands between the two, on that line or on
+    lines of its own: the outcome still counts for the id before it. ``id_of`` gives the id
+    that a line starts with, if any."""
+
+    def __init__(self, id_of: Callable[[str], str | None]):
+        self._id_of = id_of
+        self._running: str | None = None  # the test whose line has begun and not yet ended
+
+    def read(self, line: str) -> tuple[str, str] | None:
+        """``(id, outcome)`` where ``line`` ends a test's line, else None."""
+        text = line
+        if test := self._id_of(line):
+            self._running, text = test, line[len(test) :]
+        elif line.startswith("="):  # pytest's section lines: no test's line goes on past one
+            self._running = None
+        outcome = _OUTCOME.search(text) if self._running else None
+        if self._running is None or outcome is None:
+            return None
+        test, self._running = self._running, None
+        return test, outcome[1]
+
+
 def _summary(line: str) -> dict[str, int] | None:
     """The counts of pytest's last line (``== 3 passed, 1 skipped in 0.1s ==``), if it is."""
     if not (found := _SUMMARY.match(line.strip())):
@@ -87,12 +119,7 @@ def _summary(line: str) -> dict[str, int] | None:
 def run(args: list[str], ids: list[str]) -> tuple[int, set[str], dict[str, int]]:
     """One pytest run of the tests ``ids``, its output passed through: its exit status, the
     tests it reported, and how many of each outcome: pytest's own summary where the run
-    ended, else (a crashed run writes none) its ``-v`` lines.
-
-    A test's ``-v`` line is its id, then its outcome. Output that the test writes to the
-    process's own stdout or stderr (which ``CRASH_STACKS`` lets through: it captures ``sys``
-    only) lands between the two, on that line or on lines of its own: the outcome still
-    counts for the id before it.
+    ended, else (a crashed run writes none) its ``-v`` lines (`VerboseLines`).
     """
     command = [sys.executable, "-X", "faulthandler", "-m", "pytest", "-v", *args]
     if os.environ.get("CRASH_STACKS") == "torch":
@@ -106,21 +133,15 @@ def run(args: list[str], ids: list[str]) -> tuple[int, set[str], dict[str, int]]
     reported: set[str] = set()
     counts: dict[str, int] = {}
     summary: dict[str, int] | None = None
-    running: str | None = None  # the test whose line has begun and not yet ended
+    lines = VerboseLines(lambda text: _test_of(text, ids) if ids else _reported_id(text))
     signalled = False
     assert process.stdout is not None
     for line in process.stdout:
         sys.stdout.write(line)
         text = line.rstrip("\n")
-        if test := _test_of(text, ids):
-            running, text = test, text[len(test) :]
-        elif not ids and (found := _REPORTED.match(text)):  # nothing collected: the line's id
-            running, text = found[1], text[len(found[1]) :]
-        outcome = OUTCOME.search(text) if running else None
-        if running and outcome:
-            reported.add(running)
-            counts[outcome[1].lower()] = counts.get(outcome[1].lower(), 0) + 1
-            running = None
+        if ended := lines.read(text):
+            reported.add(ended[0])
+            counts[ended[1].lower()] = counts.get(ended[1].lower(), 0) + 1
         summary = _summary(text) or summary
         signalled = signalled or bool(debugger and _SIGNALLED.search(line))
     sys.stdout.flush()

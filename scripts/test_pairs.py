@@ -16,7 +16,7 @@ import re
 import sys
 from collections import defaultdict
 
-from pytest_through_crashes import OUTCOME
+from pytest_through_crashes import VerboseLines
 
 # `tests/test_x.py::test_y[emulate-case] PASSED [ 12%]` (a case may hold spaces): the id,
 # then (on that line, or on a later one where the test's own output came between) its outcome.
@@ -24,29 +24,27 @@ _ID = re.compile(r"^(\S+::[^\s\[]+)(?:\[(.+?)\])?(?= |$)")
 _BACKENDS = ("emulate", "cuda")
 
 
+def _id_of(line: str) -> str | None:
+    return found[0] if (found := _ID.match(line)) else None
+
+
 def pairs(log: str) -> dict[str, dict[str, str]]:
     """Each paired test (its id without the backend) with its outcome on each backend."""
     found: dict[str, dict[str, str]] = defaultdict(dict)
-    running: tuple[str, str | None] | None = None  # the test whose line has no outcome yet
+    lines = VerboseLines(_id_of)
     for line in log.splitlines():
-        text = line
-        if match := _ID.match(line):
-            running, text = (match[1], match[2]), line[match.end() :]
-        elif line.startswith("="):  # pytest's section lines, and a crash's
-            running = None
-        outcome = OUTCOME.search(text) if running else None
-        if running is None or outcome is None:
+        if not (ended := lines.read(line)):
             continue
-        (test, params), running = running, None
-        if params is None:
+        test, bracket, params = ended[0].partition("[")  # a name holds no `[`
+        if not bracket:
             continue
-        parts = params.split("-")
+        parts = params.removesuffix("]").split("-")
         at = next((i for i, p in enumerate(parts) if p in _BACKENDS), None)
         if at is None:
             continue
         backend = parts.pop(at)  # the first one: a case may be named after CUDA too
         rest = "-".join(parts)
-        found[f"{test}[{rest}]" if rest else test][backend] = outcome[1]
+        found[f"{test}[{rest}]" if rest else test][backend] = ended[1]
     return found
 
 
