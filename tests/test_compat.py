@@ -6,6 +6,8 @@ entry's note in `src/cudagraph_td/_compat.py` before changing the library.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from typing import Any
 
 import pytest
@@ -390,6 +392,82 @@ def test_the_underscored_aten_operations_are_what_public_calls_dispatch() -> Non
 
 def test_a_missing_aten_operation_is_none() -> None:
     assert _compat._aten("no_such_operation_in_aten") is None
+
+
+_POOL_ID_REFERENCES = """
+import sys, torch
+from cudagraph_td import _compat
+
+device = torch.device("cuda", torch.cuda.current_device())
+pool = torch.cuda.graph_pool_handle()
+while pool[1] <= 256:  # past the ints that Python shares and never frees
+    pool = torch.cuda.graph_pool_handle()
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph, pool=pool):
+    kept = torch.ones(1 << 20, device=device)
+before = sys.getrefcount(pool[1])
+for _ in range(20):
+    assert _compat.pool_blocks(device, pool) == {kept.data_ptr()}
+assert sys.getrefcount(pool[1]) == before, (before, sys.getrefcount(pool[1]))
+print("released" if _compat.snapshot_releases_references() else "kept")
+"""
+
+
+@requires_cuda
+def test_pool_blocks_leaves_the_pool_id_its_references() -> None:
+    # torch 2.11's `memory_snapshot(mempool_id=pool)` releases a reference to each int of the
+    # pool id (pytorch/pytorch#196366): past 256, the second was freed by the second
+    # snapshot while the pool held it, and the GPU suite crashed later where its memory had
+    # gone. In a process of its own: without the fix, this one crashes.
+    done = run_python("-c", _POOL_ID_REFERENCES)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() in {"released", "kept"}, done.stdout
+
+
+_decref = ctypes.PYFUNCTYPE(None, ctypes.py_object)(("Py_DecRef", ctypes.pythonapi))
+_incref = ctypes.PYFUNCTYPE(None, ctypes.py_object)(("Py_IncRef", ctypes.pythonapi))
+
+
+def _segment(pool: tuple[int, int], address: int, state: str) -> dict[str, Any]:
+    block = {"address": address, "state": state}
+    return {"device": 0, "segment_pool_id": pool, "blocks": [block]}
+
+
+@pytest.mark.parametrize("releases", [True, False], ids=["torch-2.11-binding", "fixed-binding"])
+def test_pool_blocks_gives_back_what_the_snapshot_releases(
+    monkeypatch: pytest.MonkeyPatch, releases: bool
+) -> None:
+    # The binding's fault, played on any machine: it releases a reference to each item of
+    # the tuple that `memory_snapshot` passes it (the pool id's two ints, and False).
+    pool = (0, int("7" * 12))  # an int of its own, made at run time
+    other = (0, int("8" * 12))
+    segments = [
+        _segment(pool, 4096, "active_allocated"),
+        _segment(pool, 8192, "inactive"),
+        _segment(other, 16384, "active_allocated"),
+    ]
+
+    def snapshot(mempool_id: Any = None, include_traces: bool = True) -> list[dict[str, Any]]:
+        if releases:
+            for item in (mempool_id[0], mempool_id[1], include_traces):
+                _decref(item)
+        return segments
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", snapshot)
+    _compat.snapshot_releases_references.cache_clear()
+    spare = [pool[1]] * 50  # references that a missing give-back would take, not the pool's
+    before = sys.getrefcount(pool[1])
+    try:
+        for _ in range(10):
+            assert _compat.pool_blocks(torch.device("cuda", 0), pool) == {4096}
+        assert _compat.snapshot_releases_references() is releases
+        after = sys.getrefcount(pool[1])  # outside the assert, which holds its operands
+        assert after == before
+    finally:
+        for _ in range(before - sys.getrefcount(pool[1])):  # a failure: repaired, not freed
+            _incref(pool[1])
+        _compat.snapshot_releases_references.cache_clear()  # the real binding's, next time
+    del spare
 
 
 @pytest.mark.skipif(torch.version.cuda is None, reason="a CPU build of torch")

@@ -12,6 +12,8 @@ what the library relies on). "Checked" below means: with torch 2.11 (the GPU mac
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import operator
 import sys
 import threading
@@ -212,8 +214,19 @@ def pool_blocks(device: torch.device, pool: Any) -> frozenset[int]:
     From ``torch.cuda.memory_snapshot`` (public), whose ``mempool_id`` argument (torch 2.11
     and 2.13) limits it to the pool's segments; filtered here too, in case a version lists
     every segment. Each segment names its pool (``segment_pool_id``), each block its state.
+
+    Its binding releases a reference to each item of the tuple it reads, which it only
+    borrowed (torch 2.11, measured; the fix, pytorch/pytorch#196366, was still open in
+    September 2026): the pool id's second int, once past the small ints that Python shares,
+    was freed by the second snapshot while the pool still held it, and its memory given to
+    another object (a native crash later, anywhere). The references are given back here,
+    where a probe finds that torch takes them (`snapshot_releases_references`).
     """
-    segments = torch.cuda.memory_snapshot(mempool_id=pool, include_traces=False)
+    try:
+        segments = torch.cuda.memory_snapshot(mempool_id=pool, include_traces=False)
+    finally:  # released at the binding's start: given back whatever it raised after
+        if snapshot_releases_references():
+            _give_back(pool)
     return frozenset(
         block["address"]
         for segment in segments
@@ -221,6 +234,40 @@ def pool_blocks(device: torch.device, pool: Any) -> frozenset[int]:
         for block in segment["blocks"]
         if block["state"] == "active_allocated"
     )
+
+
+@functools.cache
+def snapshot_releases_references() -> bool:
+    """Whether ``torch.cuda.memory_snapshot(mempool_id=...)`` releases a reference to each
+    item of the pool id that it reads (pytorch/pytorch#196366; see `pool_blocks`).
+
+    Probed once with an int of its own (no other object holds it), whose reference is given
+    back at once if it was taken; the ``0`` and ``False`` beside it too.
+    """
+    probe = int("4" * 15)  # made at run time: an int that no constant or cache shares
+    pool = (0, probe)
+    before = sys.getrefcount(probe)
+    try:
+        torch.cuda.memory_snapshot(mempool_id=pool, include_traces=False)
+    finally:
+        released = sys.getrefcount(probe) < before
+        if released:
+            _give_back(pool)
+    return released
+
+
+def _give_back(pool: Any) -> None:
+    """Give back the references that ``memory_snapshot(mempool_id=pool,
+    include_traces=False)`` released: one to each item of the tuple it passes its binding."""
+    for item in (pool[0], pool[1], False):
+        _incref(item)
+
+
+_incref: Callable[[object], None] = ctypes.PYFUNCTYPE(None, ctypes.py_object)(
+    ("Py_IncRef", ctypes.pythonapi)
+)
+"""Python's ``Py_IncRef`` (C API, stable ABI): gives an object back the reference that a
+binding released without owning it (see `pool_blocks`)."""
 
 
 raw_stream: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
