@@ -218,15 +218,14 @@ def pool_blocks(device: torch.device, pool: Any) -> frozenset[int]:
     Its binding releases a reference to each item of the tuple it reads, which it only
     borrowed (torch 2.11, measured; the fix, pytorch/pytorch#196366, was still open in
     September 2026): the pool id's second int, once past the small ints that Python shares,
-    was freed by the second snapshot while the pool still held it, and its memory given to
-    another object (a native crash later, anywhere). The references are given back here,
-    where a probe finds that torch takes them (`snapshot_releases_references`).
+    was freed by a snapshot while the pool still held it, and its memory given to another
+    object (a native crash later, anywhere). The references are given here, before the
+    call, where a probe finds that torch takes them (`snapshot_releases_references`).
     """
-    try:
-        segments = torch.cuda.memory_snapshot(mempool_id=pool, include_traces=False)
-    finally:  # released at the binding's start: given back whatever it raised after
-        if snapshot_releases_references():
-            _give_back(pool)
+    if snapshot_releases_references():
+        # Given before the call: a reference that only the pool holds is freed within it.
+        _give_back(pool)
+    segments = torch.cuda.memory_snapshot(mempool_id=pool, include_traces=False)
     return frozenset(
         block["address"]
         for segment in segments
@@ -257,8 +256,8 @@ def snapshot_releases_references() -> bool:
 
 
 def _give_back(pool: Any) -> None:
-    """Give back the references that ``memory_snapshot(mempool_id=pool,
-    include_traces=False)`` released: one to each item of the tuple it passes its binding."""
+    """Give the references that ``memory_snapshot(mempool_id=pool, include_traces=False)``
+    releases: one to each item of the tuple that it passes its binding."""
     for item in (pool[0], pool[1], False):
         _incref(item)
 
