@@ -92,7 +92,8 @@ print("ok")
 def test_pool_blocks_lists_the_allocated_blocks_of_one_pool() -> None:
     # `pool_blocks` reads `torch.cuda.memory_snapshot(mempool_id=...)`; the workspace logic
     # of `_capture.sharing` tells from it whether a clear freed its workspaces. In a process of its
-    # own: in the GPU suite, the next test's setup once crashed after it (see the stop note).
+    # own: before `pool_blocks` gave torch the references it takes (see the test below), the
+    # next test's setup once crashed after it in the GPU suite.
     done = run_python("-c", _POOL_BLOCKS)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
