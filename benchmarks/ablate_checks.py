@@ -226,12 +226,17 @@ def _locked(lock: Any) -> None:
 
 def buckets() -> None:
     """Workload f: where the CPU time of a call with shapes="buckets" goes, beside the floor
-    (run under no_grad)."""
+    (run under no_grad); on CUDA, beside the benchmark's variants of f, those of the version
+    before too where ``benchmarks/baseline`` has one (both shapes, timed in turn)."""
     device = DEVICE
     calls: dict[str, Any] = {}
     if not EMULATE:
         workload = workloads.policy_random_batch(device)
-        calls = {name: workload.variants[name]() for name in ("floor", "cudagraph_td")}
+        names = ["floor", "cudagraph_td", "cudagraph_td exact"]
+        names += [
+            n for n in (workloads.BEFORE, f"{workloads.BEFORE} exact") if n in workload.variants
+        ]
+        calls = {name: workload.variants[name]() for name in names}
     graphed = CudaGraphModule(
         workloads._policy(device),
         shapes=Buckets(workloads.BUCKETS),
