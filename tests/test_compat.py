@@ -415,9 +415,10 @@ print("released" if _compat.snapshot_releases_references() else "kept")
 @requires_cuda
 def test_pool_blocks_leaves_the_pool_id_its_references() -> None:
     # torch 2.11's `memory_snapshot(mempool_id=pool)` releases a reference to each int of the
-    # pool id (pytorch/pytorch#196366): past 256, the second was freed by the second
-    # snapshot while the pool held it, and the GPU suite crashed later where its memory had
-    # gone. In a process of its own: without the fix, this one crashes.
+    # pool id (pytorch/pytorch#196366): past 256, the second was freed by a snapshot (the
+    # first, where the pool alone held it) while the pool held it, and the GPU suite crashed
+    # later where its memory had gone. In a process of its own: without the fix, this one
+    # crashes.
     done = run_python("-c", _POOL_ID_REFERENCES)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() in {"released", "kept"}, done.stdout
