@@ -39,6 +39,11 @@ from cudagraph_td._compat import td_entries, td_set  # noqa: E402
 EMULATE = "--emulate" in sys.argv
 DEVICE = torch.device("cpu" if EMULATE else "cuda")
 BACKEND = "emulate" if EMULATE else "cuda"
+if not EMULATE:  # the version before, where benchmarks/baseline has one (on CUDA only)
+    with contextlib.suppress(ImportError):
+        import cudagraph_td_baseline  # type: ignore[import-not-found]
+
+        workloads.BASELINE = cudagraph_td_baseline
 
 
 def _without_state_check(entry: Any) -> None:
@@ -198,6 +203,58 @@ def _cycling(graphed: Any, graphs: Any) -> dict[str, Any]:
     }
 
 
+def _layers_of_versions() -> dict[str, Any]:
+    """Per version (the current one, and the version before where benchmarks/baseline has
+    one) and per shapes (buckets, exact): the wrapper's call, its table's lookup alone and
+    the entry's replay alone, over the same batches of random sizes (as workload f): where
+    a difference between the versions lies."""
+    rng = random.Random(2)
+    tds = [
+        TensorDict(observation=torch.randn(n, 17, device=DEVICE), batch_size=[n])
+        for n in (rng.randint(1, 64) for _ in range(_n(512)))
+    ]
+    libraries = {"now": sys.modules["cudagraph_td"]}
+    if workloads.BASELINE is not None:
+        libraries["before"] = workloads.BASELINE
+    calls: dict[str, Any] = {}
+    for version, library in libraries.items():
+        for shapes in ("buckets", "exact"):
+            graphed = library.CudaGraphModule(
+                workloads._policy(DEVICE),
+                warmup=2,
+                shapes=library.Buckets(workloads.BUCKETS)
+                if shapes == "buckets"
+                else library.Exact(max_graphs=64),
+                **({"backend": BACKEND} if EMULATE else {}),
+            )
+            for _ in range(3):
+                for td in tds:
+                    graphed(td)
+            table = graphed._table
+            paths = {td.batch_size[0]: table.find((td,), {})[0] for td in tds}
+            calls |= {
+                f"{version}, {shapes}: wrapper": _cycled(tds, graphed),
+                f"{version}, {shapes}: lookup alone": _cycled(
+                    tds, lambda td, table=table: table.find((td,), {})
+                ),
+                f"{version}, {shapes}: path alone": _cycled(
+                    tds, lambda td, paths=paths: paths[td.batch_size[0]].replay((td,), {})
+                ),
+            }
+    return calls
+
+
+def _cycled(tds: list[TensorDict], f: Any) -> Any:
+    """``f`` called on each of ``tds`` in turn, one a call."""
+    position = [0]
+
+    def call() -> Any:
+        i = position[0] = (position[0] + 1) % len(tds)
+        return f(tds[i])
+
+    return call
+
+
 def _pieces(graphed: Any, td: TensorDict) -> dict[str, Any]:
     """Each step of the wrapper's call, alone (what the replay path's layers cost)."""
     from cudagraph_td._compat import interaction_type, td_entries
@@ -251,6 +308,7 @@ def buckets() -> None:
         (path,) = graphed._table.find((td,), {})
         captured = graphs.entries[graphs.key._replace(shapes=(64,))].captured
         calls |= _cycling(graphed, graphs)
+        calls |= _layers_of_versions()
         calls |= {
             "wrapper, one size": lambda: graphed(td),
             "lookup + path": lambda: graphed._table.find((td,), {})[0].replay((td,), {}),

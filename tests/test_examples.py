@@ -60,6 +60,8 @@ SCRIPTS: dict[str, tuple[pathlib.Path, tuple[str, ...]]] = {
         ("--emulate", "--steps", "20", "--skip", "4", "--ppo-iterations", "5", "--rounds", "1"),
     ),
     "python_work": (ROOT / "benchmarks" / "python_work.py", ()),
+    "graft": (ROOT / "benchmarks" / "graft.py", ("--rounds", "2", "--batches", "64", "--pieces")),
+    "launches": (ROOT / "benchmarks" / "launches.py", ("--calls", "8")),
     "ablate_checks": (ROOT / "benchmarks" / "ablate_checks.py", ("--emulate", "--all")),
 }  # fmt: skip
 
@@ -160,6 +162,35 @@ def test_the_ablation_of_the_checks_follows_the_librarys_replay_path(
     assert "cycled: path alone" in out and "lookup + path" in out
     assert "after a grad-mode call" in out and "after an eager forward" in out
     assert "the same without the state check" in out and "State.fresh alone (borrowed)" in out
+    # Its layers of each version (the version before where benchmarks/baseline has one).
+    for shapes in ("buckets", "exact"):
+        for layer in ("wrapper", "lookup alone", "path alone"):
+            assert f"now, {shapes}: {layer}" in out
+
+
+@pytest.mark.early("scripts")
+def test_the_graft_of_the_old_replay_runs_on_the_current_entries(
+    scripts: dict[str, dict[str, Any]],
+) -> None:
+    # benchmarks/graft.py (issue 52's note): the version before's replay code grafted onto
+    # the current entries and table, each variant checked against its policy eager before
+    # it is timed (the script raises otherwise), both shapes, built twice.
+    out = _out(scripts, "graft")
+    for shapes in ("buckets", "exact"):
+        for copy in ("", "#2"):
+            for variant in ("now", "now, old replay", "now, old replay and lookup"):
+                assert f"{shapes}: {variant}{copy} " in out
+            assert f"{shapes}: now{copy}, bare replay" in out
+            assert f"{shapes}: now{copy}, copy+replay+clone" in out
+
+
+@pytest.mark.early("scripts")
+def test_the_launch_count_says_it_needs_cuda(scripts: dict[str, dict[str, Any]]) -> None:
+    out = _out(scripts, "launches")
+    if torch.cuda.is_available():  # a row per CUDA runtime call, a column per variant
+        assert "cudaGraphLaunch" in out and "cudagraph_td exact" in out
+    else:
+        assert "it needs CUDA" in out
 
 
 @pytest.mark.early("scripts")
