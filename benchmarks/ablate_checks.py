@@ -174,14 +174,10 @@ def _cycling(graphed: Any, graphs: Any) -> dict[str, Any]:
         views[n] = ([static[:n]], out[:n], captured._replay)
     # The replay path of each batch size: what the graph table finds for it.
     paths = {td.batch_size[0]: graphed._table.find((td,), {})[0] for td in tds}
-    position = [0]
+    position = [0]  # one position for all: each call takes the next batch
 
     def cycled(f: Any) -> Any:
-        def call() -> Any:
-            i = position[0] = (position[0] + 1) % len(tds)
-            return f(tds[i])
-
-        return call
+        return _cycled(tds, f, position)
 
     def floor(td: TensorDict) -> TensorDict:
         heads, out, replay = views[td.batch_size[0]]
@@ -244,9 +240,10 @@ def _layers_of_versions() -> dict[str, Any]:
     return calls
 
 
-def _cycled(tds: list[TensorDict], f: Any) -> Any:
-    """``f`` called on each of ``tds`` in turn, one a call."""
-    position = [0]
+def _cycled(tds: list[TensorDict], f: Any, position: list[int] | None = None) -> Any:
+    """``f`` called on each of ``tds`` in turn, one a call (``position``: the place in
+    ``tds``, shared between calls that take turns over one sequence)."""
+    position = [0] if position is None else position
 
     def call() -> Any:
         i = position[0] = (position[0] + 1) % len(tds)

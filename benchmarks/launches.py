@@ -67,11 +67,12 @@ def main() -> None:
         per_call(call, 64)  # the profiler's own first-use costs
         rows[name] = per_call(call, args.calls)
     keys = sorted({k for counts, _ in rows.values() for k in counts})
-    width = max(len(k) for k in keys)
-    print(f"{'a call':{width}s} " + " ".join(f"{n[-22:]:>22s}" for n in names))
+    width, column = max(len(k) for k in keys), max(28, *map(len, names))
+    print("each cell: the count a call, and the CPU time the profiler saw in them a call")
+    print(f"{'a call':{width}s} " + " ".join(f"{n:>{column}s}" for n in names))
     for key in keys:
-        cells = [f"{rows[n][0].get(key, 0):8.2f} {rows[n][1].get(key, 0):8.2f}us" for n in names]
-        print(f"{key:{width}s} " + " ".join(f"{c:>22s}" for c in cells))
+        cells = [f"{rows[n][0].get(key, 0):8.2f} {rows[n][1].get(key, 0):8.2f} us" for n in names]
+        print(f"{key:{width}s} " + " ".join(f"{c:>{column}s}" for c in cells))
 
 
 if __name__ == "__main__":
