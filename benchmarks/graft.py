@@ -17,17 +17,26 @@ sizes, ``shapes`` buckets or exact), this times in turn, in one process:
   in, replay and clone out), which says whether the graphs differ.
 
 Each variant is built twice (``#2``), later in the process, to show what building the same
-thing at another time changes. If the grafted variants time as ``now``, the time is not in
+thing at another time changes. On a CPU, the emulation's replays are made no-ops once every
+variant has been checked against its policy eager, and ``--cold MIB`` writes that much
+memory before each call (untimed): a GPU host's driver leaves the caches so after each
+launch, and a call then pays for every object it reads. If the grafted variants time as ``now``, the time is not in
 the code that the redesign changed. On a machine without CUDA the wrappers run on the
 emulation (a check that every variant still runs; its times say nothing of a GPU's).
 
     python benchmarks/graft.py --rounds 600 [--pieces]
+    python benchmarks/graft.py --rounds 400 --cold 8    # on a CPU
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
+import importlib
+import json
+import pathlib
+import platform
 import random
 import statistics
 import sys
@@ -226,33 +235,116 @@ def check(calls: dict[str, Callable[[], Any]], tds: list[TensorDict]) -> None:
             torch.testing.assert_close(td["action"], expected, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=600, help="bursts of 16 calls a variant")
-    parser.add_argument("--pieces", action="store_true", help="time each version's graphs too")
-    parser.add_argument("--batches", type=int, default=512)
-    args = parser.parse_args()
-    tds = batches(args.batches)
-    calls = variants(tds, args.pieces)
-    check(calls, tds)
+@contextlib.contextmanager
+def replays_switch() -> Any:
+    """On the CPU: the emulation's graph replays of both versions behind a switch, set on
+    while the variants are built and checked; ``switch[0] = False`` makes them no-ops (what
+    is left is the wrappers' own path, the input copy and the output's clone, as on a GPU,
+    where the replay is one launch). Put back as they were at the end."""
+    switch, patched = [True], []
+    for library in (cudagraph_td, BEFORE):
+        if library is not None and DEVICE.type == "cpu":
+            recording = importlib.import_module(f"{library.__name__}._emulation.recording")
+            original = recording.RecordedGraph.replay
+
+            def replay(self: Any, original: Any = original) -> None:
+                if switch[0]:
+                    original(self)
+
+            recording.RecordedGraph.replay = replay
+            patched.append((recording.RecordedGraph, original))
+    try:
+        yield switch
+    finally:
+        for graph_class, original in patched:
+            graph_class.replay = original
+
+
+def time_bursts(calls: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+    """µs a call, a burst of 16 calls at a time, the variants in a new order each round."""
     per: dict[str, list[float]] = {name: [] for name in calls}
     names, order = list(calls), random.Random(0)
     sync = torch.cuda.synchronize if DEVICE.type == "cuda" else (lambda: None)
-    with torch.no_grad():
-        for _ in range(args.rounds):
-            order.shuffle(names)
-            for name in names:
-                sync()
+    for _ in range(rounds):
+        order.shuffle(names)
+        for name in names:
+            sync()
+            start = time.perf_counter()
+            for _ in range(16):
+                calls[name]()
+            per[name].append((time.perf_counter() - start) / 16 * 1e6)
+    sync()
+    return per
+
+
+def time_cold(calls: dict[str, Callable[[], Any]], rounds: int, mib: int) -> dict[str, list[float]]:
+    """µs a call, each call timed alone after ``mib`` MiB are written (untimed): the caches
+    left cold, as a GPU host's driver leaves them after each graph launch. A round's figure
+    is the median of 8 calls."""
+    memory = bytearray(mib << 20)
+    ones = b"\x01" * (len(memory) // 64)
+    per: dict[str, list[float]] = {name: [] for name in calls}
+    names, order = list(calls), random.Random(0)
+    for _ in range(rounds):
+        order.shuffle(names)
+        for name in names:
+            call, times = calls[name], []
+            for _ in range(8):
+                memory[::64] = ones  # a write to every cache line
                 start = time.perf_counter()
-                for _ in range(16):
-                    calls[name]()
-                per[name].append((time.perf_counter() - start) / 16 * 1e6)
-        sync()
+                call()
+                times.append(time.perf_counter() - start)
+            per[name].append(statistics.median(times) * 1e6)
+    return per
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=600, help="rounds of each variant")
+    parser.add_argument("--pieces", action="store_true", help="time each version's graphs too")
+    parser.add_argument("--batches", type=int, default=512)
+    parser.add_argument(
+        "--cold",
+        type=int,
+        default=0,
+        metavar="MIB",
+        help="on the CPU: MiB written before each call",
+    )
+    parser.add_argument("--json", default="", help="a file for the medians, with the setup")
+    args = parser.parse_args()
+    if args.cold and DEVICE.type == "cuda":
+        raise SystemExit("--cold plays on the CPU what a GPU's launches do: on CUDA, time without")
+    tds = batches(args.batches)
+    with replays_switch() as switch:
+        calls = variants(tds, args.pieces)
+        check(calls, tds)
+        switch[0] = False  # on the CPU, from here on: the replays are no-ops
+        with torch.no_grad():
+            if args.cold:
+                per = time_cold(calls, args.rounds, args.cold)
+            else:
+                per = time_bursts(calls, args.rounds)
     if BEFORE is None:
         print("no benchmarks/baseline: the version before is not timed")
+    medians = {}
     for name, times in per.items():
-        low, _, high = statistics.quantiles(times, n=4)
-        print(f"{name:40s} {statistics.median(times):8.3f} us  (IQR {low:.3f}..{high:.3f})")
+        low, medians[name], high = statistics.quantiles(times, n=4)
+        print(f"{name:40s} {medians[name]:8.3f} us  (IQR {low:.3f}..{high:.3f})")
+    if args.json:
+        meta = {
+            "device": (
+                torch.cuda.get_device_name()
+                if DEVICE.type == "cuda"
+                else f"CPU ({platform.machine()}), the emulation, replays made no-ops"
+            ),
+            "torch": torch.__version__,
+            "date": datetime.date.today().isoformat(),
+            "command": " ".join(["python", "benchmarks/graft.py", *sys.argv[1:]]),
+            "baseline": getattr(BEFORE, "REVISION", None),
+        }
+        pathlib.Path(args.json).write_text(
+            json.dumps({"meta": meta, "median_us": medians}, indent=1)
+        )
 
 
 if __name__ == "__main__":

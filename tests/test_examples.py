@@ -61,6 +61,7 @@ SCRIPTS: dict[str, tuple[pathlib.Path, tuple[str, ...]]] = {
     ),
     "python_work": (ROOT / "benchmarks" / "python_work.py", ()),
     "graft": (ROOT / "benchmarks" / "graft.py", ("--rounds", "2", "--batches", "64", "--pieces")),
+    "graft cold": (ROOT / "benchmarks" / "graft.py", ("--rounds", "2", "--batches", "64", "--cold", "1")),
     "launches": (ROOT / "benchmarks" / "launches.py", ("--calls", "8")),
     "ablate_checks": (ROOT / "benchmarks" / "ablate_checks.py", ("--emulate", "--all")),
 }  # fmt: skip
@@ -182,6 +183,10 @@ def test_the_graft_of_the_old_replay_runs_on_the_current_entries(
                 assert f"{shapes}: {variant}{copy} " in out
             assert f"{shapes}: now{copy}, bare replay" in out
             assert f"{shapes}: now{copy}, copy+replay+clone" in out
+    # With --cold on the CPU: each call alone after a write of memory, the replays no-ops
+    # once checked; a later script's replays run again (the switch is put back).
+    cold = _out(scripts, "graft cold")
+    assert "exact: now, old replay and lookup#2 " in cold and "bare replay" not in cold
 
 
 @pytest.mark.early("scripts")
