@@ -159,11 +159,7 @@ def _time(calls: dict[str, Any], *, rounds: int, burst: int) -> None:
 def _cycling(graphed: Any, graphs: Any) -> dict[str, Any]:
     """The layers of the wrapper's call, over batches of random sizes (as workload f), and a
     floor replaying the same graphs through views made once per size."""
-    rng = random.Random(1)
-    tds = [
-        TensorDict(observation=torch.randn(n, 17, device=DEVICE), batch_size=[n])
-        for n in (rng.randint(1, 64) for _ in range(_n(512)))
-    ]
+    tds = workloads.random_batches(DEVICE, _n(512), seed=1)
     for td in tds:
         graphed(td)
     views = {}
@@ -177,7 +173,7 @@ def _cycling(graphed: Any, graphs: Any) -> dict[str, Any]:
     position = [0]  # one position for all: each call takes the next batch
 
     def cycled(f: Any) -> Any:
-        return _cycled(tds, f, position)
+        return workloads.in_turn(tds, f, position)
 
     def floor(td: TensorDict) -> TensorDict:
         heads, out, replay = views[td.batch_size[0]]
@@ -204,52 +200,28 @@ def _layers_of_versions() -> dict[str, Any]:
     one) and per shapes (buckets, exact): the wrapper's call, its table's lookup alone and
     the entry's replay alone, over the same batches of random sizes (as workload f): where
     a difference between the versions lies."""
-    rng = random.Random(2)
-    tds = [
-        TensorDict(observation=torch.randn(n, 17, device=DEVICE), batch_size=[n])
-        for n in (rng.randint(1, 64) for _ in range(_n(512)))
-    ]
+    tds = workloads.random_batches(DEVICE, _n(512), seed=2)
     libraries = {"now": sys.modules["cudagraph_td"]}
     if workloads.BASELINE is not None:
         libraries["before"] = workloads.BASELINE
+    options = {"backend": BACKEND} if EMULATE else {}
     calls: dict[str, Any] = {}
     for version, library in libraries.items():
         for shapes in ("buckets", "exact"):
-            graphed = library.CudaGraphModule(
-                workloads._policy(DEVICE),
-                warmup=2,
-                shapes=library.Buckets(workloads.BUCKETS)
-                if shapes == "buckets"
-                else library.Exact(max_graphs=64),
-                **({"backend": BACKEND} if EMULATE else {}),
-            )
-            for _ in range(3):
-                for td in tds:
-                    graphed(td)
+            policy = workloads._policy(DEVICE)
+            graphed = workloads.random_batch_wrapper(library, shapes, policy, tds, **options)
             table = graphed._table
             paths = {td.batch_size[0]: table.find((td,), {})[0] for td in tds}
             calls |= {
-                f"{version}, {shapes}: wrapper": _cycled(tds, graphed),
-                f"{version}, {shapes}: lookup alone": _cycled(
+                f"{version}, {shapes}: wrapper": workloads.in_turn(tds, graphed),
+                f"{version}, {shapes}: lookup alone": workloads.in_turn(
                     tds, lambda td, table=table: table.find((td,), {})
                 ),
-                f"{version}, {shapes}: path alone": _cycled(
+                f"{version}, {shapes}: path alone": workloads.in_turn(
                     tds, lambda td, paths=paths: paths[td.batch_size[0]].replay((td,), {})
                 ),
             }
     return calls
-
-
-def _cycled(tds: list[TensorDict], f: Any, position: list[int] | None = None) -> Any:
-    """``f`` called on each of ``tds`` in turn, one a call (``position``: the place in
-    ``tds``, shared between calls that take turns over one sequence)."""
-    position = [0] if position is None else position
-
-    def call() -> Any:
-        i = position[0] = (position[0] + 1) % len(tds)
-        return f(tds[i])
-
-    return call
 
 
 def _pieces(graphed: Any, td: TensorDict) -> dict[str, Any]:

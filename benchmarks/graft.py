@@ -66,20 +66,11 @@ with contextlib.suppress(ImportError):
 
 
 def batches(count: int) -> list[TensorDict]:
-    rng = random.Random(2)
-    return [
-        TensorDict(observation=torch.randn(n, 17, device=DEVICE), batch_size=[n])
-        for n in (rng.randint(1, 64) for _ in range(count))
-    ]
+    return workloads.random_batches(DEVICE, count, seed=2)
 
 
 def cycled(tds: list[TensorDict], f: Callable[[TensorDict], Any]) -> Callable[[], Any]:
-    position = [0]
-
-    def call() -> Any:
-        i = position[0] = (position[0] + 1) % len(tds)
-        return f(tds[i])
-
+    call = workloads.in_turn(tds, f)
     call.one = f  # type: ignore[attr-defined]  # a call on a batch of one's choosing
     call.eager = getattr(f, "eager", None)  # type: ignore[attr-defined]
     return call
@@ -88,15 +79,8 @@ def cycled(tds: list[TensorDict], f: Callable[[TensorDict], Any]) -> Callable[[]
 def wrapper(library: Any, shapes: str, tds: list[TensorDict]) -> Any:
     """A wrapper of ``library`` over a policy of its own, every batch size of ``tds`` past
     its capture."""
-    chosen = (
-        library.Buckets(workloads.BUCKETS) if shapes == "buckets" else library.Exact(max_graphs=64)
-    )
     policy = workloads._policy(DEVICE)
-    graphed = library.CudaGraphModule(policy, warmup=2, shapes=chosen, **OPTIONS)
-    with torch.no_grad():
-        for _ in range(3):
-            for td in tds:
-                graphed(td)
+    graphed = workloads.random_batch_wrapper(library, shapes, policy, tds, **OPTIONS)
     graphed.eager = policy  # what `check` compares with
     return graphed
 

@@ -686,14 +686,48 @@ def documented_loop(device: torch.device) -> Workload:
 BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 
 
+def random_batches(device: torch.device, count: int = 512, seed: int = 0) -> list[TensorDict]:
+    """``count`` observations for the policy of (c), of batch sizes drawn uniformly from 1 to
+    64 (workload f's calls; the developers' tools draw theirs with other seeds)."""
+    rng = random.Random(seed)
+    return [
+        TensorDict(observation=torch.randn(n, 17, device=device), batch_size=[n])
+        for n in (rng.randint(1, 64) for _ in range(count))
+    ]
+
+
+def in_turn(
+    tds: Sequence[TensorDict], f: Callable[[TensorDict], Any], position: list[int] | None = None
+) -> Call:
+    """``f`` called on each of ``tds`` in turn, one a call (``position``: the place in
+    ``tds``, shared between calls that take turns over one sequence)."""
+    position = [0] if position is None else position
+
+    def call() -> Any:
+        i = position[0] = (position[0] + 1) % len(tds)
+        return f(tds[i])
+
+    return call
+
+
+def random_batch_wrapper(
+    library: Any, shapes: str, policy: Any, tds: Sequence[TensorDict], **options: Any
+) -> Any:
+    """``library``'s wrapper of ``policy`` with ``shapes`` ``"buckets"`` (`BUCKETS`) or
+    ``"exact"``, as workload f makes it, every batch size of ``tds`` past its capture."""
+    chosen = library.Buckets(BUCKETS) if shapes == "buckets" else library.Exact(max_graphs=64)
+    graphed = library.CudaGraphModule(policy, warmup=2, shapes=chosen, **options)
+    with torch.no_grad():
+        for _ in range(3):
+            for td in tds:
+                graphed(td)
+    return graphed
+
+
 def policy_random_batch(device: torch.device) -> Workload:
     """The policy of (c), called with batch sizes drawn uniformly from 1 to 64."""
     policy = _policy(device)
-    rng = random.Random(0)
-    tds = [
-        TensorDict(observation=torch.randn(n, 17, device=device), batch_size=[n])
-        for n in (rng.randint(1, 64) for _ in range(512))
-    ]
+    tds = random_batches(device)
 
     def cycling(f: Callable[..., Any]) -> Call:
         # Every size seen three times before timing (warm-ups, captures, compilations),
@@ -702,13 +736,7 @@ def policy_random_batch(device: torch.device) -> Workload:
             td = TensorDict(observation=torch.randn(n, 17, device=device), batch_size=[n])
             for _ in range(3):
                 f(td)
-        position = [0]
-
-        def call() -> Any:
-            i = position[0] = (position[0] + 1) % len(tds)
-            return f(tds[i])
-
-        return call
+        return in_turn(tds, f)
 
     def floor() -> Call:
         # One graph per bucket (powers of two), as torch's documentation captures them,
