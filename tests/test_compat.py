@@ -126,6 +126,20 @@ def test_distributions_validate_args_reads_the_default_set_by_its_setter() -> No
         torch.distributions.Distribution.set_default_validate_args(before)
 
 
+def test_tensordict_batch_size_and_device_are_what_its_properties_return() -> None:
+    # The replay path reads both as stored: they must be what `batch_size`, `shape` and
+    # `device` say, after every way a user changes them.
+    td = TensorDict(a=torch.zeros(3, 2), batch_size=[3, 2])
+    assert _compat.td_batch_size(td) is td.batch_size == td.shape == torch.Size([3, 2])
+    assert _compat.td_device(td) is td.device is None
+    td.batch_size = [3]
+    assert _compat.td_batch_size(td) == td.shape == torch.Size([3])
+    moved = td.to("cpu")
+    assert _compat.td_device(moved) == moved.device == torch.device("cpu")
+    td.batch_size = []
+    assert _compat.td_batch_size(td) == td.shape == torch.Size([])
+
+
 def test_tensordict_entries_are_its_stored_entries() -> None:
     td = TensorDict(
         a=torch.zeros(2), nested=TensorDict(b=torch.ones(2), batch_size=[2]), batch_size=[2]

@@ -395,6 +395,16 @@ td_entries: Callable[[TensorDict], dict[str, Any]] = operator.attrgetter("_tenso
 ``TensorDict._tensordict``, the live dict, which avoids a copy per call. The replay path
 reads it at every call: a C accessor, without a Python frame. Checked; if gone: none."""
 
+td_batch_size: Callable[[TensorDict], torch.Size] = operator.attrgetter("_batch_size")
+"""A ``TensorDict``'s batch size as it stores it (``_batch_size``, what ``batch_size`` and
+``shape`` return): a C accessor, where the properties are two Python frames (``shape``
+calls ``batch_size``). The replay path reads it at every call. Checked; if gone: none."""
+
+td_device: Callable[[TensorDict], torch.device | None] = operator.attrgetter("_device")
+"""A ``TensorDict``'s device as it stores it (``_device``, what ``device`` returns): a C
+accessor, not the property's Python frame. The replay path reads it at every call.
+Checked; if gone: none."""
+
 td_has_names: Callable[[Any], bool] = operator.methodcaller("_has_names")
 """Whether a TensorDict has dimension names, without building them (``_has_names()``).
 Checked; if gone: none."""

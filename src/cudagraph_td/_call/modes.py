@@ -12,8 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 
-from .._compat import any_autocast_enabled, interaction_type
+from .._compat import any_autocast_enabled, interaction_type, td_batch_size
 
 Mode = tuple[Any, bool, Any, Any]
 
@@ -49,6 +50,7 @@ def mode_lookup(
     # and a module attribute's. The autocast part is None when autocast is off everywhere.
     interaction, grad = interaction_type, torch.is_grad_enabled
     on, cast, get = any_autocast_enabled, _autocast_state, table.get
+    plain, batch_size = TensorDict, td_batch_size
 
     def read() -> Mode:
         return (interaction(), grad(), getattr(module, "training", None), cast() if on() else None)
@@ -59,8 +61,9 @@ def mode_lookup(
 
     def find_by_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         mode = (interaction(), grad(), getattr(module, "training", None), cast() if on() else None)
-        # The shapes of its arguments, by position then by keyword (None for one without).
-        listed = [getattr(a, "shape", None) for a in args]
+        # The shapes of its arguments, by position then by keyword (None for one without); a
+        # TensorDict's read as stored, not through its properties' two Python frames.
+        listed = [batch_size(a) if type(a) is plain else getattr(a, "shape", None) for a in args]
         if kwargs:
             listed.extend((name, getattr(v, "shape", None)) for name, v in kwargs.items())
         try:

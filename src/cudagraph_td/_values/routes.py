@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from tensordict import TensorDict
 
-from .._compat import td_entries, td_has_names, td_set
+from .._compat import td_batch_size, td_device, td_entries, td_has_names, td_set
 from . import tree as _tree
 from .input_views import into_callers, is_module_input, is_written_input
 from .outputs import Outputs
@@ -125,10 +125,12 @@ class TensorDictEntries:
         if kwargs or len(args) != 1:
             return None
         td = args[0]
-        if type(td) is not TensorDict or td.batch_size != self.batch_size:
+        if type(td) is not TensorDict or td_batch_size(td) != self.batch_size:
             return None
         if self.exact and (
-            len(td_entries(td)) != len(self.keys) or td.device != self.device or td_has_names(td)
+            len(td_entries(td)) != len(self.keys)
+            or td_device(td) != self.device
+            or td_has_names(td)
         ):
             return None
         return self.entries(td)
@@ -160,8 +162,8 @@ class TensorDictEntriesOut(TensorDictEntries):
         if (
             type(td) is not TensorDict
             or type(out) is not TensorDict
-            or out.batch_size != batch_size
-            or td.batch_size[: len(batch_size)] != batch_size
+            or td_batch_size(out) != batch_size
+            or td_batch_size(td)[: len(batch_size)] != batch_size
         ):
             return None
         return self.entries(td)
@@ -246,7 +248,7 @@ class IntoTensorDict:
     def write(self, args: Args, kwargs: Kwargs, fresh: Sequence[torch.Tensor]) -> Any:
         # A TensorDict itself (see `TensorDictEntries.read` and `TensorDictEntriesOut.read`).
         td = kwargs[TENSORDICT_OUT] if self.into_out else args[0]
-        device = td.device
+        device = td_device(td)
         put = td_set if self.flat and (device is None or device == self.device) else _checked
         if self.key is not None:
             put(td, self.key, fresh[0])
@@ -331,7 +333,7 @@ class OneKeyTensorDict:
     def replay(self, args: Args) -> Any:
         """The call's result, or ``MISS``."""
         td = args[0] if len(args) == 1 else None
-        if type(td) is not TensorDict or td.batch_size != self.batch_size:
+        if type(td) is not TensorDict or td_batch_size(td) != self.batch_size:
             return MISS
         tensor = td_entries(td).get(self.in_key)
         try:
@@ -342,7 +344,7 @@ class OneKeyTensorDict:
         if not same or (holds is not None and not holds()):
             return MISS
         out = self.launch(tensor)  # type: ignore[arg-type]  # a tensor: checked above
-        device = td.device
+        device = td_device(td)
         if device is None or device == self.device:  # see `IntoTensorDict`
             td_set(td, self.out_key, out)
         else:
