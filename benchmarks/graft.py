@@ -94,10 +94,7 @@ def entries(graphed: Any, tds: list[TensorDict]) -> dict[int, Any]:
 def launch_parts(entry: Any) -> tuple[Any, list[torch.Tensor], Any, Any]:
     """A current entry's fused route, and its launch's static input, replay and output."""
     route = entry._fused.__self__
-    launch = route.launch
-    cells = [cell.cell_contents for cell in launch.__closure__]
-    found = dict(zip(launch.__code__.co_freevars, cells, strict=True))
-    return route, found["static"], found["replay"], found["output"]
+    return route, route.static, route.replay_graph, route.output
 
 
 def old_replay(entry: Any) -> Callable[..., Any]:

@@ -489,12 +489,12 @@ def test_the_frames_of_a_replay() -> None:
         assert _frames(lambda: graphed(x)) == [
             *_LOOKUP,
             "_values.routes.Positional.read",
-            "_capture.captured.one_tensor_launch.<locals>.launch",
+            "_capture.captured.launch_one",
         ]
         assert _frames(lambda: policy(td)) == [
             *_LOOKUP,
             "_values.routes.OneKeyTensorDict.replay",
-            "_capture.captured.one_tensor_launch.<locals>.launch",
+            "_capture.captured.launch_one",
         ]
 
 

@@ -500,7 +500,7 @@ def _count_copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         count[0] += 1
         copy_(dst, src)
 
-    # Every launch copies its inputs in `_capture.captured` (`copy_inputs`, `one_tensor_launch`).
+    # Every launch copies its inputs in `_capture.captured` (`copy_inputs`, `launch_one`).
     monkeypatch.setattr(_captured, "foreach_copy_", counted)
     return count
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -39,27 +39,37 @@ def copy_inputs(
         foreach_copy_(static, tensors)  # type: ignore[arg-type]  # one call for every tensor
 
 
-OneTensorLaunch = Callable[[torch.Tensor], torch.Tensor]
+class OneTensorLaunch(NamedTuple):
+    """The parts of the launch of a plain graph with one tensor in and one out and nothing
+    else to do (the replay path of the commonest graph, a policy): its static input (a list
+    of one), its replay, and its output (a copy, the tensor's own ``clone``, no Python
+    frame; or a lent tensor). ``launch_one`` launches them."""
+
+    static: list[torch.Tensor]
+    replay: Callable[[], None]
+    output: Callable[[], torch.Tensor]
 
 
-def one_tensor_launch(
-    static: list[torch.Tensor], output: Callable[[], torch.Tensor], replay: Callable[[], None]
-) -> OneTensorLaunch:
-    """The launch of a plain graph with one tensor in and one out and nothing else to do, in
-    one call: ``copy_inputs`` for one tensor beside the replay (the replay path of the
-    commonest graph, a policy: see `_capture.entry`). ``output`` returns a copy (the
-    tensor's own ``clone``, no Python frame) or a lent tensor. A closure: its reads are
-    cells, faster than a named tuple's fields (70 ns a call, measured)."""
-
-    def launch(tensor: torch.Tensor) -> torch.Tensor:
-        # Copied in unless it is the static input (see `copy_inputs`: only `input_buffers`
-        # hands it out), replayed, its output returned.
-        if tensor is not static[0]:
-            foreach_copy_(static, (tensor,))  # faster than `copy_`
-        replay()
-        return output()
-
-    return launch
+def launch_one(
+    static: list[torch.Tensor],
+    replay: Callable[[], None],
+    output: Callable[[], torch.Tensor],
+    tensor: torch.Tensor,
+) -> torch.Tensor:
+    """Launch a `OneTensorLaunch`'s parts on ``tensor`` (checked): ``copy_inputs`` for one
+    tensor beside the replay, in one call. One function for every graph, given the parts
+    that its caller holds in its own fields, not a closure per graph: a replay then reads
+    no object of its graph beyond the parts (a closure adds a function, its cells and their
+    tuple). A GPU host's driver leaves the caches cold between two launches, so each object
+    read costs: with exact shapes (a graph per batch size, calls in turn), a closure per
+    graph cost about 0.4 µs a call on an H200 and 0.8 on a CPU with its caches cold
+    (`benchmarks/graft.py`; docs/runs/2026-11-29-one-entry-redesign.md)."""
+    # Copied in unless it is the static input (see `copy_inputs`: only `input_buffers` hands
+    # it out), replayed, its output returned.
+    if tensor is not static[0]:
+        foreach_copy_(static, (tensor,))  # faster than `copy_`
+    replay()
+    return output()
 
 
 class Captured:

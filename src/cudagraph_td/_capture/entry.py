@@ -43,7 +43,7 @@ from .._values.tree import Call
 from . import captured as _captured
 from .autograd import DifferentiableCall
 from .backend import Backend
-from .captured import Captured
+from .captured import Captured, launch_one
 from .graph import capture, capture_turn
 
 __all__ = ["MISS", "GraphEntry", "GraphKey"]
@@ -229,6 +229,7 @@ class GraphEntry:
                     expected[0],
                     holds,
                     one,
+                    launch_one,
                 ).replay
             # A result that is the first output itself needs no call: the replay returns it.
             route = (reader.read, None if writer.returns_first else writer.write)
@@ -318,7 +319,8 @@ class GraphEntry:
             return MISS
         one_launch = self._one_launch
         if one_launch is not None:
-            fresh: Sequence[torch.Tensor] = (one_launch(tensors[0]),)
+            static, replay, output = one_launch
+            fresh: Sequence[torch.Tensor] = (launch_one(static, replay, output, tensors[0]),)
         else:
             fresh = self.captured.launch(tensors)  # type: ignore[union-attr]
         self.replays += 1
