@@ -62,8 +62,8 @@ def launch_one(
     no object of its graph beyond the parts (a closure adds a function, its cells and their
     tuple). A GPU host's driver leaves the caches cold between two launches, so each object
     read costs: with exact shapes (a graph per batch size, calls in turn), a closure per
-    graph cost about 0.4 µs a call on an H200 and 0.8 on a CPU with its caches cold
-    (`benchmarks/graft.py`; docs/runs/2026-11-29-one-entry-redesign.md)."""
+    graph cost 0.6 to 0.9 µs a call more than its parts on an H200 (`benchmarks/graft.py`;
+    docs/runs/2026-11-29-one-entry-redesign.md)."""
     # Copied in unless it is the static input (see `copy_inputs`: only `input_buffers` hands
     # it out), replayed, its output returned.
     if tensor is not static[0]:
