@@ -128,7 +128,7 @@ def test_distributions_validate_args_reads_the_default_set_by_its_setter() -> No
 
 def test_tensordict_batch_size_and_device_are_what_its_properties_return() -> None:
     # The replay path reads both as stored: they must be what `batch_size`, `shape` and
-    # `device` say, after every way a user changes them.
+    # `device` say, also after a user sets the batch size or moves the TensorDict.
     td = TensorDict(a=torch.zeros(3, 2), batch_size=[3, 2])
     assert _compat.td_batch_size(td) is td.batch_size == td.shape == torch.Size([3, 2])
     assert _compat.td_device(td) is td.device is None
