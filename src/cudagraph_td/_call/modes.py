@@ -44,13 +44,13 @@ def mode_lookup(
     key and a lookup. ``table`` is keyed by the mode alone (one graph per mode), or with
     ``by_shapes`` by a `GraphKey` of the mode and the call's shapes (``shapes="exact"`` and
     ``"buckets"``, as `_call.table.GraphTable.key` makes it). Both read the mode with the
-    same expression, and the shapes as the table does (`tests/test_modes.py` checks that
-    they agree in every mode, `tests/test_table.py` on calls of every form)."""
+    same expression, and the same shapes as the table (a TensorDict's batch size read as
+    stored, not through its properties: the object they return; `tests/test_modes.py`
+    checks that they agree in every mode, `tests/test_table.py` on calls of every form)."""
     # The reads bound to the closures' own names: one lookup each at a call, not a global's
     # and a module attribute's. The autocast part is None when autocast is off everywhere.
     interaction, grad = interaction_type, torch.is_grad_enabled
     on, cast, get = any_autocast_enabled, _autocast_state, table.get
-    plain, batch_size = TensorDict, td_batch_size
 
     def read() -> Mode:
         return (interaction(), grad(), getattr(module, "training", None), cast() if on() else None)
@@ -63,7 +63,9 @@ def mode_lookup(
         mode = (interaction(), grad(), getattr(module, "training", None), cast() if on() else None)
         # The shapes of its arguments, by position then by keyword (None for one without); a
         # TensorDict's read as stored, not through its properties' two Python frames.
-        listed = [batch_size(a) if type(a) is plain else getattr(a, "shape", None) for a in args]
+        listed = [
+            td_batch_size(a) if type(a) is TensorDict else getattr(a, "shape", None) for a in args
+        ]
         if kwargs:
             listed.extend((name, getattr(v, "shape", None)) for name, v in kwargs.items())
         try:

@@ -24,10 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tensordict import TensorDict
-
 from .._capture.entry import GraphEntry, GraphKey
-from .._compat import td_batch_size
 from .modes import Mode, mode_lookup
 from .static import StaticArgs
 
@@ -72,12 +69,8 @@ class GraphTable:
         values = () if self._static is None else self._static.values(args, kwargs)
         shapes = None
         if self._by_shapes:
-            # The shapes of its arguments, by position then by keyword (None for one without),
-            # read as `_call.modes.mode_lookup` reads them.
-            listed = [
-                td_batch_size(a) if type(a) is TensorDict else getattr(a, "shape", None)
-                for a in args
-            ]
+            # The shapes of its arguments, by position then by keyword (None for one without).
+            listed = [getattr(a, "shape", None) for a in args]
             if kwargs:
                 listed.extend((name, getattr(v, "shape", None)) for name, v in kwargs.items())
             shapes = tuple(listed)

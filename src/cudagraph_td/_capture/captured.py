@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -39,28 +39,19 @@ def copy_inputs(
         foreach_copy_(static, tensors)  # type: ignore[arg-type]  # one call for every tensor
 
 
-class OneTensorLaunch(NamedTuple):
-    """The parts of the launch of a plain graph with one tensor in and one out and nothing
-    else to do (the replay path of the commonest graph, a policy): its static input (a list
-    of one), its replay, and its output (a copy, the tensor's own ``clone``, no Python
-    frame; or a lent tensor). ``launch_one`` launches them."""
-
-    static: list[torch.Tensor]
-    replay: Callable[[], None]
-    output: Callable[[], torch.Tensor]
+OneTensorLaunch = tuple[list[torch.Tensor], Callable[[], None], Callable[[], torch.Tensor]]
+"""The parts of the launch of a plain graph with one tensor in and one out and nothing else to
+do (the replay path of the commonest graph, a policy): its static input (a list of one), its
+replay, and its output (a copy, the tensor's own ``clone``, no Python frame; or a lent
+tensor). ``launch_one`` launches them."""
 
 
-def launch_one(
-    static: list[torch.Tensor],
-    replay: Callable[[], None],
-    output: Callable[[], torch.Tensor],
-    tensor: torch.Tensor,
-) -> torch.Tensor:
-    """Launch a `OneTensorLaunch`'s parts on ``tensor`` (checked): ``copy_inputs`` for one
-    tensor beside the replay, in one call. One function for every graph, given the parts
-    that its caller holds in its own fields, not a closure per graph: a replay then reads
-    no object of its graph beyond the parts (a closure adds a function, its cells and their
-    tuple). A GPU host's driver leaves the caches cold between two launches, so each object
+def launch_one(static: list[torch.Tensor], replay: Any, output: Any, tensor: Any) -> Any:
+    """Launch a `OneTensorLaunch`'s parts on ``tensor`` (a tensor, checked): ``copy_inputs``
+    for one tensor beside the replay, in one call. One function for every graph, given the
+    parts that its caller holds in its own fields, not a closure per graph: a replay then
+    reads no object of its graph beyond the parts (a closure adds a function, its cells and
+    their tuple). A GPU host's driver leaves the caches cold between two launches, so each object
     read costs: with exact shapes (a graph per batch size, calls in turn), a closure per
     graph cost 0.6 to 0.9 µs a call more than its parts on an H200 (`benchmarks/graft.py`;
     docs/runs/2026-11-29-one-entry-redesign.md)."""

@@ -31,7 +31,7 @@ from .._values.tree import Call
 from . import captured as _captured
 from .autograd import Capture
 from .backend import Backend, Graph
-from .captured import Captured, OneTensorLaunch, copy_inputs
+from .captured import Captured, copy_inputs
 
 
 class GraphCall(Captured):
@@ -62,7 +62,7 @@ class GraphCall(Captured):
         if one and not mutated and watch is None and views is None:
             # Its output: a copy (the tensor's own `clone`, no Python frame), or lent.
             output = outputs.static[0].clone if outputs.lent is None else outputs.copies.one
-            self.one_tensor_launch = OneTensorLaunch(self._static_inputs, self._replay, output)
+            self.one_tensor_launch = (self._static_inputs, self._replay, output)
 
     def rows(self, signature: Signature, outputs: Outputs) -> GraphCall:
         """This graph replayed on fewer rows: ``signature``'s static inputs and ``outputs``'

@@ -128,9 +128,7 @@ class TensorDictEntries:
         if type(td) is not TensorDict or td_batch_size(td) != self.batch_size:
             return None
         if self.exact and (
-            len(td_entries(td)) != len(self.keys)
-            or td_device(td) != self.device
-            or td_has_names(td)
+            len(td_entries(td)) != len(self.keys) or td.device != self.device or td_has_names(td)
         ):
             return None
         return self.entries(td)
@@ -328,9 +326,8 @@ class OneKeyTensorDict:
     ):
         self.in_key, self.out_key = reader.keys[0], writer.key
         self.batch_size, self.device = reader.batch_size, writer.device
-        self.expected, self.holds = expected, holds
+        self.expected, self.holds, self.launch = expected, holds, launch
         self.static, self.replay_graph, self.output = parts
-        self.launch = launch
 
     @staticmethod
     def fits(reader: Reader, writer: Writer) -> bool:
