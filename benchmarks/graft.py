@@ -94,7 +94,7 @@ def entries(graphed: Any, tds: list[TensorDict]) -> dict[int, Any]:
 def launch_parts(entry: Any) -> tuple[Any, list[torch.Tensor], Any, Any]:
     """A current entry's fused route, and its launch's static input, replay and output."""
     route = entry._fused.__self__
-    return route, route.static, route.replay_graph, route.output
+    return (route, *route.parts)
 
 
 def old_replay(entry: Any) -> Callable[..., Any]:

@@ -51,6 +51,7 @@ def mode_lookup(
     # and a module attribute's. The autocast part is None when autocast is off everywhere.
     interaction, grad = interaction_type, torch.is_grad_enabled
     on, cast, get = any_autocast_enabled, _autocast_state, table.get
+    plain, batch_size = TensorDict, td_batch_size
 
     def read() -> Mode:
         return (interaction(), grad(), getattr(module, "training", None), cast() if on() else None)
@@ -63,9 +64,7 @@ def mode_lookup(
         mode = (interaction(), grad(), getattr(module, "training", None), cast() if on() else None)
         # The shapes of its arguments, by position then by keyword (None for one without); a
         # TensorDict's read as stored, not through its properties' two Python frames.
-        listed = [
-            td_batch_size(a) if type(a) is TensorDict else getattr(a, "shape", None) for a in args
-        ]
+        listed = [batch_size(a) if type(a) is plain else getattr(a, "shape", None) for a in args]
         if kwargs:
             listed.extend((name, getattr(v, "shape", None)) for name, v in kwargs.items())
         try:

@@ -46,15 +46,15 @@ replay, and its output (a copy, the tensor's own ``clone``, no Python frame; or 
 tensor). ``launch_one`` launches them."""
 
 
-def launch_one(static: list[torch.Tensor], replay: Any, output: Any, tensor: Any) -> Any:
-    """Launch a `OneTensorLaunch`'s parts on ``tensor`` (a tensor, checked): ``copy_inputs``
+def launch_one(parts: OneTensorLaunch, tensor: Any) -> Any:
+    """Launch a graph's `OneTensorLaunch` on ``tensor`` (a tensor, checked): ``copy_inputs``
     for one tensor beside the replay, in one call. One function for every graph, given the
-    parts that its caller holds in its own fields, not a closure per graph: a replay then
-    reads no object of its graph beyond the parts (a closure adds a function, its cells and
-    their tuple). A GPU host's driver leaves the caches cold between two launches, so each object
-    read costs: with exact shapes (a graph per batch size, calls in turn), a closure per
-    graph cost 0.6 to 0.9 µs a call more than its parts on an H200 (`benchmarks/graft.py`;
-    docs/runs/2026-11-29-one-entry-redesign.md)."""
+    parts, which its caller holds: not a closure per graph, which a replay would read besides
+    the parts (a function, its cells and their tuple). A GPU host's driver leaves the caches
+    cold between two launches, so each object read costs: with exact shapes (a graph per
+    batch size, calls in turn), a closure per graph cost 0.6 to 0.9 µs a call more than its
+    parts on an H200 (`benchmarks/graft.py`; docs/runs/2026-11-29-one-entry-redesign.md)."""
+    static, replay, output = parts
     # Copied in unless it is the static input (see `copy_inputs`: only `input_buffers` hands
     # it out), replayed, its output returned.
     if tensor is not static[0]:

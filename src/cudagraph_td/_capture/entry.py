@@ -319,8 +319,7 @@ class GraphEntry:
             return MISS
         one_launch = self._one_launch
         if one_launch is not None:
-            static, replay, output = one_launch
-            fresh: Sequence[torch.Tensor] = (launch_one(static, replay, output, tensors[0]),)
+            fresh: Sequence[torch.Tensor] = (launch_one(one_launch, tensors[0]),)
         else:
             fresh = self.captured.launch(tensors)  # type: ignore[union-attr]
         self.replays += 1

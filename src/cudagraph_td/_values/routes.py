@@ -296,24 +296,13 @@ class OneKeyTensorDict:
 
     ``expected``: the metadata of the captured entry (see `_values.signature.metadata`);
     ``holds``: whether the state the graph reads holds (see `_state.state`), or None;
-    ``parts``: the graph's static input, replay and output, held in its own fields, and
-    ``launch``: the function that launches them on a tensor (`_capture.captured.launch_one`,
-    one for every graph: see there why the parts are not a closure's).
+    ``parts``: the graph's static input, replay and output, and ``launch``: the function that
+    launches them on a tensor (`_capture.captured.launch_one`, one for every graph: see there
+    why the parts are not a closure's).
     """
 
     # Its fields in slots, read at every replay: no instance dict to touch.
-    __slots__ = (
-        "batch_size",
-        "device",
-        "expected",
-        "holds",
-        "in_key",
-        "launch",
-        "out_key",
-        "output",
-        "replay_graph",
-        "static",
-    )
+    __slots__ = "batch_size", "device", "expected", "holds", "in_key", "launch", "out_key", "parts"
 
     def __init__(
         self,
@@ -322,12 +311,11 @@ class OneKeyTensorDict:
         expected: tuple[Any, ...],
         holds: Callable[[], bool] | None,
         parts: tuple[list[torch.Tensor], Callable[[], None], Callable[[], torch.Tensor]],
-        launch: Callable[..., torch.Tensor],
+        launch: Callable[[Any, Any], torch.Tensor],
     ):
         self.in_key, self.out_key = reader.keys[0], writer.key
         self.batch_size, self.device = reader.batch_size, writer.device
-        self.expected, self.holds, self.launch = expected, holds, launch
-        self.static, self.replay_graph, self.output = parts
+        self.expected, self.holds, self.parts, self.launch = expected, holds, parts, launch
 
     @staticmethod
     def fits(reader: Reader, writer: Writer) -> bool:
@@ -357,7 +345,7 @@ class OneKeyTensorDict:
         if not same or (holds is not None and not holds()):
             return MISS
         # A tensor: checked above.
-        out = self.launch(self.static, self.replay_graph, self.output, tensor)
+        out = self.launch(self.parts, tensor)
         device = td_device(td)
         if device is None or device == self.device:  # see `IntoTensorDict`
             td_set(td, self.out_key, out)
