@@ -344,8 +344,7 @@ class OneKeyTensorDict:
         holds = self.holds
         if not same or (holds is not None and not holds()):
             return MISS
-        # A tensor: checked above.
-        out = self.launch(self.parts, tensor)
+        out = self.launch(self.parts, tensor)  # a tensor: checked above
         device = td_device(td)
         if device is None or device == self.device:  # see `IntoTensorDict`
             td_set(td, self.out_key, out)
