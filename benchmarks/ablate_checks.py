@@ -19,7 +19,6 @@ policy, ``--buckets`` and ``--after`` in one process).
 from __future__ import annotations
 
 import contextlib
-import random
 import statistics
 import sys
 import threading
@@ -31,7 +30,7 @@ from tensordict import TensorDict
 
 sys.path[:0] = ["benchmarks", "benchmarks/baseline"]
 import workloads  # noqa: E402
-from run import sync  # noqa: E402
+from run import sync, time_cpu  # noqa: E402
 
 from cudagraph_td import Buckets, CudaGraphModule  # noqa: E402
 from cudagraph_td._compat import td_entries, td_set  # noqa: E402
@@ -66,16 +65,10 @@ def main() -> None:
     policy = workloads._policy(device)
     now = CudaGraphModule(policy, backend=BACKEND)  # type: ignore[arg-type]
     stateless = CudaGraphModule(workloads._policy(device), backend=BACKEND)  # type: ignore[arg-type]
-    try:
-        if EMULATE:
-            raise ImportError  # the version before, on CUDA only
-        from cudagraph_td_baseline import CudaGraphModule as Before
-
-        before = Before(workloads._policy(device))
+    if workloads.BASELINE is not None:  # the version before (imported above, on CUDA only)
+        before = workloads.BASELINE.CudaGraphModule(workloads._policy(device))
         wrappers.append(before)
         calls["before"] = lambda: before(td)
-    except ImportError:
-        pass
     with torch.no_grad():
         for g in (now, stateless, *wrappers):
             for _ in range(4):
@@ -106,12 +99,9 @@ def _raw_stream() -> dict[str, Any]:
 
 def sac() -> None:
     import cProfile
-    import importlib
     import pstats
 
     device = torch.device("cuda")
-    with contextlib.suppress(ImportError):  # no baseline made
-        workloads.BASELINE = importlib.import_module("cudagraph_td_baseline")
     workload = workloads.sac_update(device)
     now = workload.variants["cudagraph_td"]()
     calls: dict[str, Any] = {"now": now}
@@ -139,21 +129,9 @@ def sac() -> None:
 
 def _time(calls: dict[str, Any], *, rounds: int, burst: int) -> None:
     """Print the median CPU time of each call, over ``rounds`` bursts of ``burst`` calls,
-    one burst of each in turn, in a new random order each round."""
-    per: dict[str, list[float]] = {k: [] for k in calls}
-    names = list(calls)
-    rng = random.Random(0)
-    for _ in range(rounds):
-        rng.shuffle(names)
-        for name in names:
-            sync()
-            start = time.perf_counter()
-            for _ in range(burst):
-                calls[name]()
-            per[name].append((time.perf_counter() - start) / burst * 1e6)
-    sync()
-    for name, times in per.items():
-        print(f"{name:32s} {statistics.median(times):8.3f} us")
+    one burst of each in turn, in a new random order each round (`run.time_cpu`)."""
+    for name, us in time_cpu(calls, rounds, burst).items():
+        print(f"{name:32s} {us:8.3f} us")
 
 
 def _cycling(graphed: Any, graphs: Any) -> dict[str, Any]:

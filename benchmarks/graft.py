@@ -49,6 +49,7 @@ from tensordict import TensorDict
 
 sys.path[:0] = ["benchmarks", "benchmarks/baseline"]
 import workloads  # noqa: E402
+from run import time_bursts  # noqa: E402
 
 import cudagraph_td  # noqa: E402
 from cudagraph_td._compat import foreach_copy_, td_entries, td_set  # noqa: E402
@@ -239,23 +240,6 @@ def replays_switch() -> Any:
     finally:
         for graph_class, original in patched:
             graph_class.replay = original
-
-
-def time_bursts(calls: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
-    """µs a call, a burst of 16 calls at a time, the variants in a new order each round."""
-    per: dict[str, list[float]] = {name: [] for name in calls}
-    names, order = list(calls), random.Random(0)
-    sync = torch.cuda.synchronize if DEVICE.type == "cuda" else (lambda: None)
-    for _ in range(rounds):
-        order.shuffle(names)
-        for name in names:
-            sync()
-            start = time.perf_counter()
-            for _ in range(16):
-                calls[name]()
-            per[name].append((time.perf_counter() - start) / 16 * 1e6)
-    sync()
-    return per
 
 
 def time_cold(calls: dict[str, Callable[[], Any]], rounds: int, mib: int) -> dict[str, list[float]]:

@@ -83,9 +83,11 @@ def time_calls(call: Callable[[], Any], calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def time_cpu(calls: dict[str, Callable[[], Any]], bursts: int, burst: int = 16) -> dict[str, float]:
-    """CPU microseconds per call of each variant: the time to issue it, the GPU work not
-    waited for.
+def time_bursts(
+    calls: dict[str, Callable[[], Any]], bursts: int, burst: int = 16
+) -> dict[str, list[float]]:
+    """CPU microseconds per call of each variant, one figure a burst: the time to issue it,
+    the GPU work not waited for.
 
     Calls run in short bursts after an (untimed) synchronisation, so that the GPU's launch
     queue never fills and no launch waits for the GPU: what is measured is the cost of
@@ -107,11 +109,15 @@ def time_cpu(calls: dict[str, Callable[[], Any]], bursts: int, burst: int = 16) 
             start = time.perf_counter()
             for _ in range(burst):
                 call()
-            per_burst[name].append(time.perf_counter() - start)
+            per_burst[name].append((time.perf_counter() - start) / burst * 1e6)
     sync()
-    # The median burst: an interruption of the process (another thread, the OS) costs one
-    # burst, not the whole timing.
-    return {name: statistics.median(t) / burst * 1e6 for name, t in per_burst.items()}
+    return per_burst
+
+
+def time_cpu(calls: dict[str, Callable[[], Any]], bursts: int, burst: int = 16) -> dict[str, float]:
+    """`time_bursts`' median burst of each variant: an interruption of the process (another
+    thread, the OS) costs one burst, not the whole timing."""
+    return {name: statistics.median(t) for name, t in time_bursts(calls, bursts, burst).items()}
 
 
 def bracketed(call: Callable[[], Any]) -> Any:
